@@ -1,0 +1,39 @@
+# certblocks: `make demo` and `make test` set everything up on a fresh machine.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.certblocks-installed
+PYTEST ?= -q
+
+.PHONY: install demo test bench readme lint clean
+
+install: $(STAMP)
+
+# torch and torchvision are pinned here (the only pair that imports together on this machine);
+# pyproject.toml states ranges. mamba-ssm builds from source without its CUDA extension (tests only).
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet torch==2.14.1 torchvision==0.29.1
+	$(PIP) install --quiet -e ".[all,dev]"
+	$(PIP) install --quiet packaging wheel ninja setuptools
+	MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE $(PIP) install --quiet --no-build-isolation --no-deps "mamba-ssm>=2.2"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/certblocks demo
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST)
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_budget.py
+
+readme: $(STAMP)
+	$(VENV)/bin/certblocks table --update-readme README.md
+
+lint: $(STAMP)
+	$(PY) -m ruff check certblocks kernels zoo tests benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis

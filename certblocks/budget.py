@@ -1,0 +1,680 @@
+"""Depth budgets: from growth exponents and coefficients to overflow depths.
+
+THEORY.md section 3.  A residual stack ``X_{k+1} = X_k + dt * v_k(X_k)`` stays
+finite in a floating-point format with largest finite value ``M`` while
+
+* the forward radius ``R_0 = r0, R_{k+1} = R_k + dt * (c_k R_k^{q_k} + b_k)``
+  stays below ``M`` (it bounds ``||X_k||``; the aligned block attains it), and
+* the layerwise backward bound
+  ``log Lip(G) + sum_{k<D} log(1 + dt * L_k(R_k))``, with
+  ``L_k(R) = l1_k max(R, 1)^sigma_k + l0_k``, stays below ``log M``.
+
+The *overflow depth* of a bound is the first depth ``D`` at which it reaches
+``M``; the certified depth is one less.
+
+Exactness.  Depth boundaries are decided exactly: the recursions run in
+floating point with outward rounding (a rigorous enclosure of the exact value),
+and whenever the enclosure straddles ``M`` the computation is redone in
+arbitrary precision (mpmath).  Where a closed form is exact (``q = 0``,
+``q = 1``, a bounded Jacobian) it is evaluated with enough precision for the
+depth, which is a Python ``int`` of any size (fp64 depths exceed ``1e300``).
+When a homogeneous recursion would run for more than :data:`MAX_STEPS` steps,
+the remaining steps are bounded by the closed forms; the depth is then a sound
+lower bound of the exact one, and the result says so (``exact=False``).
+
+This module is pure Python plus mpmath; it does not import torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Iterable, List, Sequence, Tuple, Union
+
+import mpmath
+
+__all__ = [
+    "DTYPE_MAX",
+    "MAX_STEPS",
+    "float_max",
+    "dtype_name",
+    "jacobian_budget",
+    "forward_radii",
+    "radius_closed_form",
+    "backward_log_factors",
+    "Overflow",
+    "forward_overflow_depth",
+    "backward_overflow_depth",
+    "UpdateCoefficients",
+    "StackScan",
+    "scan_stack",
+]
+
+Depth = Union[int, float]  # an int, or math.inf when the bound never reaches M
+
+#: Largest finite value of each supported format (exact binary values).
+DTYPE_MAX = {
+    "fp16": 65504.0,  # (2 - 2^-10) * 2^15
+    "bf16": math.ldexp(2 - 2.0**-7, 127),
+    "fp32": math.ldexp(2 - 2.0**-23, 127),
+    "fp64": 1.7976931348623157e308,  # (2 - 2^-52) * 2^1023
+    "fp8_e4m3": 448.0,
+    "fp8_e5m2": 57344.0,
+    "fp8_e4m3fnuz": 240.0,
+    "fp8_e5m2fnuz": 57344.0,
+}
+
+_ALIASES = {
+    "fp16": "fp16", "float16": "fp16", "half": "fp16", "f16": "fp16",
+    "bf16": "bf16", "bfloat16": "bf16",
+    "fp32": "fp32", "float32": "fp32", "float": "fp32", "f32": "fp32",
+    "fp64": "fp64", "float64": "fp64", "double": "fp64", "f64": "fp64",
+    "fp8_e4m3": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3", "e4m3": "fp8_e4m3",
+    "fp8_e5m2": "fp8_e5m2", "float8_e5m2": "fp8_e5m2", "e5m2": "fp8_e5m2",
+    "fp8_e4m3fnuz": "fp8_e4m3fnuz", "float8_e4m3fnuz": "fp8_e4m3fnuz",
+    "fp8_e5m2fnuz": "fp8_e5m2fnuz", "float8_e5m2fnuz": "fp8_e5m2fnuz",
+}
+
+#: Steps a homogeneous recursion runs before the closed forms take over.
+MAX_STEPS = 20_000
+
+_PREC = 256  # bits for the arbitrary-precision fallback
+
+
+def dtype_name(dtype: object) -> str:
+    """Canonical name (``"fp16"``, ``"bf16"``, ...) of a torch dtype or a name."""
+    if isinstance(dtype, str):
+        key = dtype.strip().lower()
+    else:
+        text = str(dtype)  # torch.float16 prints as "torch.float16"; no torch import needed
+        if not text.startswith("torch."):
+            raise TypeError(f"dtype must be a torch floating dtype or a name, got {dtype!r}")
+        key = text[len("torch."):]
+    if key.startswith("torch."):
+        key = key[len("torch."):]
+    try:
+        return _ALIASES[key]
+    except KeyError:
+        allowed = ", ".join(sorted(DTYPE_MAX))
+        raise ValueError(f"dtype {dtype!r} is not supported; allowed: {allowed} or the matching torch dtypes") from None
+
+
+def float_max(dtype: object) -> float:
+    """Largest finite value ``M`` of a floating-point format (exact).
+
+    Args:
+        dtype: a torch floating dtype (``torch.float16``, ``torch.bfloat16``,
+            ``torch.float32``, ``torch.float64``, ``torch.float8_e4m3fn``,
+            ``torch.float8_e5m2``) or one of the names ``"fp16"``, ``"bf16"``,
+            ``"fp32"``, ``"fp64"``, ``"fp8_e4m3"``, ``"fp8_e5m2"`` (aliases such
+            as ``"float16"`` and ``"bfloat16"`` are accepted).
+    """
+    return DTYPE_MAX[dtype_name(dtype)]
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _real(name: str, value: object, *, minimum: float = 0.0, strict: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+    v = float(value)
+    if math.isnan(v) or math.isinf(v):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    if v < minimum or (strict and v == minimum):
+        op = ">" if strict else ">="
+        raise ValueError(f"{name} must be {op} {minimum:g}, got {value!r}")
+    return v
+
+
+def _depth_arg(depth: object) -> int:
+    if isinstance(depth, bool) or not isinstance(depth, int):
+        raise TypeError(f"depth must be an int >= 1, got {depth!r}")
+    if depth < 1:
+        raise ValueError(f"depth must be an int >= 1, got {depth}")
+    return depth
+
+
+def _check_run(M: float, dt: float, r0: float, lip_g: float) -> Tuple[float, float, float]:
+    dt = _real("dt", dt, strict=True)
+    r0 = _real("r0", r0)
+    lip_g = _real("lip_g", lip_g, strict=True)
+    if r0 >= M:
+        raise ValueError(f"r0 must be below the dtype's largest finite value {M:g}, got {r0:g}")
+    if lip_g >= M:
+        raise ValueError(f"lip_g must be below the dtype's largest finite value {M:g}, got {lip_g:g}")
+    return dt, r0, lip_g
+
+
+# ----------------------------------------------------------------------------- the uniform budget
+
+def jacobian_budget(depth: int, dtype: object, dt: float = 1.0, lip_g: float = 1.0) -> float:
+    """The uniform Jacobian budget ``((M / Lip(G))^(1/D) - 1) / dt`` (THEORY.md section 3).
+
+    A stack of ``depth`` blocks is backward-certified when the Jacobian bound on
+    the reachable ball stays strictly below this budget.  With ``Lip(G) = 1``,
+    fp32 and ``dt = 1`` it is 39.3 at ``D = 24`` and 1.52 at ``D = 96``.
+    """
+    depth = _depth_arg(depth)
+    M = float_max(dtype)
+    dt = _real("dt", dt, strict=True)
+    lip_g = _real("lip_g", lip_g, strict=True)
+    if lip_g >= M:
+        raise ValueError(f"lip_g must be below the dtype's largest finite value {M:g}, got {lip_g:g}")
+    return math.expm1(math.log(M / lip_g) / depth) / dt
+
+
+# ----------------------------------------------------------------------------- outward-rounded floats
+
+_INF = math.inf
+_up = lambda x: math.nextafter(x, _INF)  # one ulp up: bounds a correctly rounded op
+_dn = lambda x: math.nextafter(x, -_INF)
+
+
+def _pow(x: float, p: float) -> float:
+    if p == 1.0:
+        return x
+    if p == 0.0:
+        return 1.0
+    try:
+        return x**p
+    except OverflowError:
+        return _INF
+
+
+def _pow_up(x: float, p: float) -> float:
+    if p == 0.0 or p == 1.0:
+        return _pow(x, p)
+    return _up(_up(_pow(x, p)))  # libm pow is within one ulp; two ulps is a safe margin
+
+
+def _pow_dn(x: float, p: float) -> float:
+    if p == 0.0 or p == 1.0:
+        return _pow(x, p)
+    return max(0.0, _dn(_dn(_pow(x, p))))
+
+
+def _log1p_up(x: float) -> float:
+    return _up(_up(math.log1p(x))) if x != _INF else _INF
+
+
+def _log1p_dn(x: float) -> float:
+    return max(0.0, _dn(_dn(math.log1p(x)))) if x != _INF else _INF
+
+
+@dataclass(frozen=True)
+class UpdateCoefficients:
+    """The numbers of one residual update that the budgets need.
+
+    ``sigma`` (and ``q``) may be ``None`` when not derived; the scans then stop
+    certifying at that update.
+    """
+
+    q: float | None
+    sigma: float | None
+    c: float = 1.0
+    b: float = 0.0
+    l1: float = 0.0
+    l0: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("q", "sigma"):
+            v = getattr(self, name)
+            if v is not None:
+                object.__setattr__(self, name, _real(name, v))
+        for name in ("c", "b", "l1", "l0"):
+            object.__setattr__(self, name, _real(name, getattr(self, name)))
+
+
+def _step_hi(R: float, u: UpdateCoefficients, dt: float) -> float:
+    growth = _up(_up(u.c * _pow_up(R, u.q)) + u.b)  # type: ignore[arg-type]
+    return _up(R + _up(dt * growth))
+
+
+def _step_lo(R: float, u: UpdateCoefficients, dt: float) -> float:
+    growth = _dn(_dn(u.c * _pow_dn(R, u.q)) + u.b)  # type: ignore[arg-type]
+    return _dn(R + max(0.0, _dn(dt * max(0.0, growth))))
+
+
+def _factor_hi(R: float, u: UpdateCoefficients, dt: float) -> float:
+    L = _up(_up(u.l1 * _pow_up(max(R, 1.0), u.sigma)) + u.l0)  # type: ignore[arg-type]
+    return _log1p_up(_up(dt * L))
+
+
+def _factor_lo(R: float, u: UpdateCoefficients, dt: float) -> float:
+    L = _dn(_dn(u.l1 * _pow_dn(max(R, 1.0), u.sigma)) + u.l0)  # type: ignore[arg-type]
+    return _log1p_dn(max(0.0, _dn(dt * max(0.0, L))))
+
+
+# ----------------------------------------------------------------------------- arbitrary precision twins
+
+def _mp(x: float) -> mpmath.mpf:
+    return mpmath.mpf(x)
+
+
+def _step_mp(R, u: UpdateCoefficients, dt):
+    Rq = R ** _mp(u.q) if u.q not in (0.0, 1.0) else (R if u.q == 1.0 else mpmath.mpf(1))  # type: ignore[operator]
+    return R + _mp(dt) * (_mp(u.c) * Rq + _mp(u.b))
+
+
+def _factor_mp(R, u: UpdateCoefficients, dt):
+    Rb = max(R, mpmath.mpf(1))
+    Rs = Rb ** _mp(u.sigma) if u.sigma != 0.0 else mpmath.mpf(1)  # type: ignore[operator]
+    return mpmath.log1p(_mp(dt) * (_mp(u.l1) * Rs + _mp(u.l0)))
+
+
+# ----------------------------------------------------------------------------- finite heterogeneous stacks
+
+@dataclass(frozen=True)
+class StackScan:
+    """Result of :func:`scan_stack` for a finite stack of ``n`` updates.
+
+    Attributes:
+        radii: ``R_0 .. R_n`` (upper bounds in float, ``inf`` past the float range).
+        log_factors: ``log(1 + dt * L_k(R_k))`` per update (upper bounds; ``nan``
+            where ``sigma`` is not derived).
+        forward_overflow: first ``D <= n`` with ``R_D >= M``, or ``None``.
+        backward_overflow: first ``D <= n`` at which the backward bound reaches
+            ``M``, or ``None``.
+        unknown: index of the first update whose ``q`` or ``sigma`` is not derived, or ``None``.
+    """
+
+    radii: Tuple[float, ...]
+    log_factors: Tuple[float, ...]
+    forward_overflow: int | None
+    backward_overflow: int | None
+    unknown_q: int | None
+    unknown_sigma: int | None
+
+
+def _log_budget(M: float, lip_g: float) -> Tuple[float, float]:
+    """Enclosure of ``log(M / Lip(G))``."""
+    x = math.log(M) - math.log(lip_g)
+    return _dn(_dn(_dn(x))), _up(_up(_up(x)))
+
+
+def scan_stack(updates: Sequence[UpdateCoefficients], M: float, *, dt: float = 1.0, r0: float = 1.0,
+               lip_g: float = 1.0) -> StackScan:
+    """Run the forward recursion and the layerwise backward sum over a finite stack.
+
+    Crossings of ``M`` are decided exactly (outward-rounded floats, with an
+    arbitrary-precision rerun when the enclosure straddles the boundary).
+    """
+    dt, r0, lip_g = _check_run(M, dt, r0, lip_g)
+    n = len(updates)
+    unknown_q = next((k for k, u in enumerate(updates) if u.q is None), None)
+    unknown_sigma = next((k for k, u in enumerate(updates) if u.sigma is None or u.q is None), None)
+    b_lo, b_hi = _log_budget(M, lip_g)
+
+    radii: List[float] = [r0]
+    factors: List[float] = []
+    lo = hi = r0
+    s_lo = s_hi = 0.0  # enclosure of sum(log factors), compared against log(M / Lip(G))
+    fwd: int | None = None
+    bwd: int | None = None
+    ambiguous = False
+    for k, u in enumerate(updates):
+        if u.q is None:
+            break
+        if u.sigma is not None:
+            f_hi = _factor_hi(hi, u, dt)
+            f_lo = _factor_lo(lo, u, dt)
+            factors.append(f_hi)
+            s_hi, s_lo = _up(s_hi + f_hi), _dn(s_lo + f_lo)
+            if bwd is None and (unknown_sigma is None or k < unknown_sigma):
+                if s_lo >= b_hi:
+                    bwd = k + 1
+                elif s_hi >= b_lo:
+                    ambiguous = True
+        else:
+            factors.append(math.nan)
+        hi, lo = _step_hi(hi, u, dt), _step_lo(lo, u, dt)
+        radii.append(hi)
+        if fwd is None:
+            if lo >= M:
+                fwd = k + 1
+            elif hi >= M:
+                ambiguous = True
+        if ambiguous:
+            break
+    if ambiguous:
+        return _scan_stack_mp(updates, M, dt=dt, r0=r0, lip_g=lip_g, unknown_q=unknown_q,
+                              unknown_sigma=unknown_sigma)
+    # radii/factors past an unknown q stay undefined
+    factors.extend([math.nan] * (n - len(factors)))
+    radii.extend([math.inf] * (n + 1 - len(radii)))
+    return StackScan(tuple(radii), tuple(factors), fwd, bwd, unknown_q, unknown_sigma)
+
+
+def _scan_stack_mp(updates, M, *, dt, r0, lip_g, unknown_q, unknown_sigma) -> StackScan:
+    n = len(updates)
+    with mpmath.workprec(_PREC):
+        Mm = _mp(M)
+        budget = mpmath.log(Mm) - mpmath.log(_mp(lip_g))
+        R = _mp(r0)
+        S = mpmath.mpf(0)
+        radii: List[float] = [r0]
+        factors: List[float] = []
+        fwd = bwd = None
+        for k, u in enumerate(updates):
+            if u.q is None:
+                break
+            if u.sigma is not None:
+                f = _factor_mp(R, u, dt)
+                factors.append(_to_float_up(f))
+                S += f
+                if bwd is None and (unknown_sigma is None or k < unknown_sigma) and S >= budget:
+                    bwd = k + 1
+            else:
+                factors.append(math.nan)
+            R = _step_mp(R, u, dt)
+            radii.append(_to_float_up(R))
+            if fwd is None and R >= Mm:
+                fwd = k + 1
+    factors.extend([math.nan] * (n - len(factors)))
+    radii.extend([math.inf] * (n + 1 - len(radii)))
+    return StackScan(tuple(radii), tuple(factors), fwd, bwd, unknown_q, unknown_sigma)
+
+
+def _to_float_up(x) -> float:
+    try:
+        f = float(x)
+    except OverflowError:
+        return math.inf
+    return f if f >= x else _up(f)
+
+
+def forward_radii(updates: Iterable[Tuple[float, float, float]], *, dt: float = 1.0, r0: float = 1.0) -> List[float]:
+    """The forward radius recursion ``R_{k+1} = R_k + dt (c_k R_k^{q_k} + b_k)``.
+
+    Args:
+        updates: ``(q, c, b)`` per update, in depth order.
+        dt: residual step size.
+        r0: radius of the input, ``||X_0|| <= r0``.
+
+    Returns:
+        ``[R_0, ..., R_n]`` as floats rounded upward (``inf`` past the float range),
+        so each is a rigorous upper bound of the exact recursion.
+    """
+    dt = _real("dt", dt, strict=True)
+    r0 = _real("r0", r0)
+    out = [r0]
+    R = r0
+    for k, (q, c, b) in enumerate(updates):
+        u = UpdateCoefficients(q=_real(f"updates[{k}].q", q), sigma=0.0, c=c, b=b)
+        R = _step_hi(R, u, dt)
+        out.append(R)
+    return out
+
+
+def backward_log_factors(updates: Iterable[Tuple[float, float, float]], radii: Sequence[float], *,
+                         dt: float = 1.0) -> List[float]:
+    """Layerwise backward factors ``log(1 + dt * (l1 max(R_k, 1)^sigma + l0))``.
+
+    Args:
+        updates: ``(sigma, l1, l0)`` per update, in depth order.
+        radii: ``R_k`` per update (at least as many as updates).
+        dt: residual step size.
+
+    Returns:
+        The factors, rounded upward; their sum bounds ``log(||p_0|| / Lip(G))``.
+    """
+    dt = _real("dt", dt, strict=True)
+    out = []
+    for k, (sigma, l1, l0) in enumerate(updates):
+        u = UpdateCoefficients(q=0.0, sigma=_real(f"updates[{k}].sigma", sigma), l1=l1, l0=l0)
+        out.append(_factor_hi(float(radii[k]), u, dt))
+    return out
+
+
+# ----------------------------------------------------------------------------- homogeneous stacks
+
+@dataclass(frozen=True)
+class Overflow:
+    """An overflow depth: the first depth at which a bound reaches ``M``.
+
+    Attributes:
+        depth: the depth (a Python ``int`` of any size), or ``math.inf`` when the
+            bound never reaches ``M``.
+        exact: ``True`` when ``depth`` is the exact first crossing of the bound;
+            ``False`` when closed forms bounded the tail of a very long
+            recursion, in which case ``depth`` is a sound lower bound of it.
+    """
+
+    depth: Depth
+    exact: bool = True
+
+
+def radius_closed_form(q: float, c: float, b: float, depth: int, *, dt: float = 1.0, r0: float = 1.0) -> float:
+    """Closed-form upper bound of ``R_D`` for a homogeneous stack (THEORY.md section 3).
+
+    * ``q < 1``: ``(rbar0^(1-q) + (1-q)(c+b) D dt)^(1/(1-q))``, ``rbar0 = max(r0, 1)``;
+    * ``q = 1``: ``(1 + c dt)^D (r0 + b/c) - b/c`` (exact);
+    * ``q > 1``: ``rho exp(C_q q^D)``, ``rho = (c dt)^(-1/(q-1))``,
+      ``C_q = log(2^(1/(q-1)) (1 + r0/rho))``; with ``b > 0``, ``c + b`` and ``rbar0``.
+
+    Returns a float (``inf`` past the float range).
+    """
+    q = _real("q", q)
+    c = _real("c", c)
+    b = _real("b", b)
+    depth = _real("depth", depth)
+    dt = _real("dt", dt, strict=True)
+    r0 = _real("r0", r0)
+    with mpmath.workprec(_PREC):
+        val = _closed_form_mp(q, c, b, mpmath.mpf(depth), dt, r0)
+        return _to_float_up(val)
+
+
+def _closed_form_mp(q, c, b, D, dt, r0):
+    """Upper bound of R after D steps from radius r0 (mpmath), valid for any q."""
+    q, c, b, dt, r0 = (_mp(v) for v in (q, c, b, dt, r0))
+    if q == 1:
+        if c == 0:
+            return r0 + D * dt * b
+        y0 = r0 + b / c
+        return mpmath.exp(D * mpmath.log1p(c * dt)) * y0 - b / c
+    if q == 0:
+        return r0 + D * dt * (c + b)
+    C = c + b if b > 0 else c
+    rb = max(r0, mpmath.mpf(1)) if b > 0 else r0
+    if C == 0:
+        return rb
+    if q < 1:
+        rb = max(r0, mpmath.mpf(1))
+        C = c + b
+        return (rb ** (1 - q) + (1 - q) * C * D * dt) ** (1 / (1 - q))
+    # q > 1: the smaller of the paper's form (iii) and the comparison ODE r' = C dt r^q.
+    rho = (C * dt) ** (-1 / (q - 1))
+    Cq = mpmath.log(mpmath.mpf(2) ** (1 / (q - 1)) * (1 + rb / rho))
+    form3 = rho * mpmath.exp(Cq * q**D)
+    if rb == 0:
+        return form3
+    rest = rb ** (1 - q) - (q - 1) * C * dt * D
+    if rest <= 0:
+        return form3
+    return min(form3, rest ** (-1 / (q - 1)))
+
+
+def _tail_steps_mp(q, c, b, R, dt, M) -> int:
+    """Sound lower bound on the number of further steps before R reaches M (closed forms)."""
+    with mpmath.workprec(_PREC):
+        q, c, b, R, dt, M = (_mp(v) for v in (q, c, b, R, dt, M))
+        if q == 1 or q == 0:
+            raise AssertionError("exact forms handle q in {0, 1}")
+        if q < 1:
+            rb = max(R, mpmath.mpf(1))
+            x = (M ** (1 - q) - rb ** (1 - q)) / ((1 - q) * (c + b) * dt)
+            return max(1, int(mpmath.ceil(x)))
+        C = c + b if b > 0 else c
+        rb = max(R, mpmath.mpf(1)) if b > 0 else R
+        best = 1
+        rho = (C * dt) ** (-1 / (q - 1))
+        Cq = mpmath.log(mpmath.mpf(2) ** (1 / (q - 1)) * (1 + rb / rho))
+        if M > rho and Cq > 0:
+            best = max(best, int(mpmath.ceil(mpmath.log(mpmath.log(M / rho) / Cq) / mpmath.log(q))))
+        if rb > 0:
+            x = (rb ** (1 - q) - M ** (1 - q)) / ((q - 1) * C * dt)
+            best = max(best, int(mpmath.ceil(x)))
+        return best
+
+
+def _exact_linear_crossing(start: Fraction, step: Fraction, target: Fraction) -> Depth:
+    """First D >= 0 with start + D * step >= target."""
+    if start >= target:
+        return 0
+    if step <= 0:
+        return math.inf
+    return math.ceil((target - start) / step)
+
+
+def _exact_geometric_crossing(y0, ratio_log1p, target) -> Depth:
+    """First D >= 0 with y0 * exp(D * ratio_log1p) >= target (mpmath inputs), exactly."""
+    if y0 >= target:
+        return 0
+    if ratio_log1p <= 0 or y0 <= 0:
+        return math.inf
+    guess = int(mpmath.ceil(mpmath.log(target / y0) / ratio_log1p))
+    # Verify the neighbours with precision sized to the depth.
+    prec = _PREC + max(guess, 1).bit_length()
+    with mpmath.workprec(prec):
+        def reaches(D: int) -> bool:
+            return y0 * mpmath.exp(D * ratio_log1p) >= target
+        D = max(guess, 1)
+        while D > 1 and reaches(D - 1):
+            D -= 1
+        while not reaches(D):
+            D += 1
+        return D
+
+
+def forward_overflow_depth(q: float, c: float, b: float, dtype: object, *, dt: float = 1.0,
+                           r0: float = 1.0) -> Overflow:
+    """First depth at which the forward radius of a homogeneous stack reaches ``M``.
+
+    The stack repeats one block with ``||v(x)|| <= c ||x||^q + b`` without end.
+    Exact for ``q`` in ``{0, 1}`` (closed forms) and whenever the crossing comes
+    within :data:`MAX_STEPS` steps; otherwise a sound lower bound (see :class:`Overflow`).
+    """
+    q = _real("q", q)
+    c = _real("c", c)
+    b = _real("b", b)
+    M = float_max(dtype)
+    dt, r0, _ = _check_run(M, dt, r0, 1.0)
+    if q == 0.0 or (q == 1.0 and c == 0.0):
+        inc = Fraction(c if q == 0.0 else 0.0) + Fraction(b)
+        return Overflow(_exact_linear_crossing(Fraction(r0), Fraction(dt) * inc, Fraction(M)))
+    if q == 1.0:
+        with mpmath.workprec(_PREC):
+            cm, bm = _mp(c), _mp(b)
+            return Overflow(_exact_geometric_crossing(_mp(r0) + bm / cm, mpmath.log1p(cm * _mp(dt)), _mp(M) + bm / cm))
+    u = UpdateCoefficients(q=q, sigma=0.0, c=c, b=b)
+    if c == 0.0 and b == 0.0:
+        return Overflow(math.inf)
+    if r0 == 0.0 and b == 0.0:
+        return Overflow(math.inf)  # the state stays at the origin
+    hi = lo = r0
+    for k in range(MAX_STEPS):
+        hi, lo = _step_hi(hi, u, dt), _step_lo(lo, u, dt)
+        if lo >= M:
+            return Overflow(k + 1)
+        if hi >= M:
+            return Overflow(_homogeneous_forward_mp(u, M, dt, r0))
+    return Overflow(MAX_STEPS + _tail_steps_mp(q, c, b, hi, dt, M), exact=False)
+
+
+def _homogeneous_forward_mp(u: UpdateCoefficients, M: float, dt: float, r0: float) -> int:
+    with mpmath.workprec(_PREC):
+        R, Mm = _mp(r0), _mp(M)
+        for k in range(MAX_STEPS + 1):
+            R = _step_mp(R, u, dt)
+            if R >= Mm:
+                return k + 1
+    raise RuntimeError("arbitrary-precision rerun did not cross M; please report this")
+
+
+def backward_overflow_depth(q: float | None, sigma: float | None, c: float, b: float, l1: float, l0: float,
+                            dtype: object, *, dt: float = 1.0, r0: float = 1.0, lip_g: float = 1.0) -> Overflow:
+    """First depth at which the layerwise backward bound of a homogeneous stack reaches ``M``.
+
+    The bound is ``Lip(G) * prod_{k<D} (1 + dt * L(R_k))`` with
+    ``L(R) = l1 max(R, 1)^sigma + l0`` and ``R_k`` the forward radius.  With a
+    bounded Jacobian (``sigma = 0`` or ``l1 = 0``) this is
+    ``ceil(log(M / Lip(G)) / log(1 + dt L))``, computed exactly.
+    """
+    M = float_max(dtype)
+    q = _real("q", q)
+    sigma = _real("sigma", sigma)
+    u = UpdateCoefficients(q=q, sigma=sigma, c=c, b=b, l1=l1, l0=l0)
+    dt, r0, lip_g = _check_run(M, dt, r0, lip_g)
+    if sigma == 0.0 or l1 == 0.0:
+        L = (l1 if sigma == 0.0 else 0.0) + l0
+        if L == 0.0:
+            return Overflow(math.inf)
+        with mpmath.workprec(_PREC):
+            rate = mpmath.log1p(_mp(dt) * (_mp(l1 if sigma == 0.0 else 0.0) + _mp(l0)))
+            return Overflow(_exact_geometric_crossing(_mp(lip_g), rate, _mp(M)))
+    b_lo, b_hi = _log_budget(M, lip_g)
+    hi = lo = r0
+    s_hi = s_lo = 0.0
+    for k in range(MAX_STEPS):
+        s_hi = _up(s_hi + _factor_hi(hi, u, dt))
+        s_lo = _dn(s_lo + _factor_lo(lo, u, dt))
+        if s_lo >= b_hi:
+            return Overflow(k + 1)
+        if s_hi >= b_lo:
+            return Overflow(_homogeneous_backward_mp(u, M, dt, r0, lip_g))
+        hi, lo = _step_hi(hi, u, dt), _step_lo(lo, u, dt)
+    return Overflow(_backward_tail(u, hi, s_hi, b_lo, dt), exact=False)
+
+
+def _homogeneous_backward_mp(u: UpdateCoefficients, M: float, dt: float, r0: float, lip_g: float) -> int:
+    with mpmath.workprec(_PREC):
+        R = _mp(r0)
+        S = mpmath.mpf(0)
+        budget = mpmath.log(_mp(M)) - mpmath.log(_mp(lip_g))
+        for k in range(MAX_STEPS + 1):
+            S += _factor_mp(R, u, dt)
+            if S >= budget:
+                return k + 1
+            R = _step_mp(R, u, dt)
+    raise RuntimeError("arbitrary-precision rerun did not cross M; please report this")
+
+
+_MAX_ROUNDS = 4096
+
+
+def _backward_tail(u: UpdateCoefficients, R: float, S: float, budget: float, dt: float) -> Depth:
+    """Sound lower bound on the backward overflow depth past MAX_STEPS (galloping over closed forms).
+
+    From depth K with radius bound R and log-sum bound S, a block of m further
+    updates adds at most m * log(1 + dt L(F(R, m-1))), F the closed-form radius
+    bound; take the longest block that keeps the sum below the budget, and repeat.
+    """
+    K = MAX_STEPS
+    with mpmath.workprec(_PREC):
+        Rm, Sm, B = _mp(R), _mp(S), _mp(budget)
+
+        def factor(r):
+            return _factor_mp(r, u, dt) * (1 + mpmath.mpf(2) ** -200)
+
+        def block(m: int):
+            return Sm + m * factor(_closed_form_mp(u.q, u.c, u.b, mpmath.mpf(m - 1), dt, Rm))
+
+        for _ in range(_MAX_ROUNDS):
+            if block(1) >= B:
+                return K + 1
+            m = 1
+            while m < 2**4000 and block(2 * m) < B:
+                m *= 2
+            lo_m, hi_m = m, 2 * m  # block(lo_m) < B <= block(hi_m)
+            while hi_m - lo_m > 1:
+                mid = (lo_m + hi_m) // 2
+                if block(mid) < B:
+                    lo_m = mid
+                else:
+                    hi_m = mid
+            Sm = block(lo_m)
+            Rm = _closed_form_mp(u.q, u.c, u.b, mpmath.mpf(lo_m), dt, Rm)
+            K += lo_m
+        return K + 1

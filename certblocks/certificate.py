@@ -1,0 +1,405 @@
+"""Certificates: a block's exponents and coefficients, and the depths they certify.
+
+* :class:`BlockCertificate` -- one residual velocity ``v``: exponents ``(q, sigma)``
+  and coefficients with ``||v(x)|| <= c ||x||^q + b`` and
+  ``sup_{||x|| <= R} ||dv(x)|| <= l1 max(R, 1)^sigma + l0``.
+* :class:`Depths` -- the certified depths of a homogeneous stack of one block.
+* :class:`StackCertificate` -- a finite heterogeneous stack, update by update
+  (:func:`certify_stack`).
+
+All three render as text (``str``/``explain``) and JSON (``to_dict``/``to_json``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, Sequence, Tuple, Union
+
+from . import budget as _budget
+from .exponents import Exponents
+
+__all__ = ["BlockCertificate", "Depths", "Failure", "StackCertificate", "certify_stack", "suggest_fix"]
+
+Depth = Union[int, float]
+
+
+def _fmt_num(x: float | None) -> str:
+    if x is None:
+        return "?"
+    if isinstance(x, int) and not isinstance(x, bool):
+        return f"{x:,}" if abs(x) < 10**15 else f"{float(x):.3g}"
+    if math.isinf(x):
+        return "inf"
+    if math.isnan(x):
+        return "?"
+    return f"{x:.4g}"
+
+
+def _json_num(x: Any) -> Any:
+    """JSON has no inf/nan and loses big ints in many readers: inf -> "inf", huge ints stay ints."""
+    if isinstance(x, float):
+        if math.isinf(x):
+            return "inf" if x > 0 else "-inf"
+        if math.isnan(x):
+            return None
+    return x
+
+
+@dataclass(frozen=True)
+class BlockCertificate:
+    """The certificate of one residual velocity ``v`` (one update of a stack).
+
+    Args:
+        q: forward growth exponent, or ``None`` when not derived.
+        sigma: Jacobian growth exponent, or ``None`` when not derived.
+        c: growth coefficient, ``||v(x)|| <= c ||x||^q + b`` for every ``x``.
+        b: growth offset.
+        l1: Jacobian coefficient, ``sup_{||x||<=R} ||dv(x)||_2 <= l1 max(R,1)^sigma + l0``.
+        l0: Jacobian offset.
+        name: a label (module path or block name) used in reports.
+        culprit: the primitive responsible for the exponents, when known (reports).
+        fix: a suggestion in words for lowering the exponents (reports); when
+            empty, :func:`suggest_fix` writes one from the exponents.
+
+    All coefficients are sound upper bounds in the per-token norm (THEORY.md section 1).
+    """
+
+    q: float | None
+    sigma: float | None
+    c: float = 1.0
+    b: float = 0.0
+    l1: float = 0.0
+    l0: float = 1.0
+    name: str = ""
+    culprit: str = ""
+    fix: str = ""
+
+    def __post_init__(self) -> None:
+        e = Exponents(self.q, self.sigma)  # validates q and sigma
+        object.__setattr__(self, "q", e.q)
+        object.__setattr__(self, "sigma", e.sigma)
+        for name in ("c", "b", "l1", "l0"):
+            object.__setattr__(self, name, _budget._real(name, getattr(self, name)))
+        for name in ("name", "culprit", "fix"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name} must be a str, got {getattr(self, name)!r}")
+
+    @property
+    def exponents(self) -> Exponents:
+        """The pair ``(q, sigma)``."""
+        return Exponents(self.q, self.sigma)
+
+    def growth_bound(self, radius: float) -> float:
+        """``c * radius^q + b``: the bound on ``||v(x)||`` for ``||x|| = radius``."""
+        if self.q is None:
+            return math.inf
+        return self.c * radius**self.q + self.b
+
+    def jacobian_bound(self, radius: float) -> float:
+        """``l1 * max(radius, 1)^sigma + l0``: the bound on the Jacobian over the ball."""
+        if self.sigma is None:
+            return math.inf
+        return self.l1 * max(radius, 1.0) ** self.sigma + self.l0
+
+    def _coefficients(self) -> _budget.UpdateCoefficients:
+        return _budget.UpdateCoefficients(self.q, self.sigma, self.c, self.b, self.l1, self.l0)
+
+    def depths(self, dtype: object, *, dt: float = 1.0, r0: float = 1.0, lip_g: float = 1.0) -> Depths:
+        """Certified depths of a stack repeating this block without end.
+
+        Args:
+            dtype: torch dtype or name (``"fp16"``, ``"bf16"``, ``"fp32"``, ...).
+            dt: residual step size.
+            r0: bound on the input's norm, ``||X_0|| <= r0``.
+            lip_g: Lipschitz constant of the loss head in the state.
+        """
+        name = _budget.dtype_name(dtype)
+        M = _budget.float_max(name)
+        fwd = bwd = None
+        if self.q is not None:
+            fwd = _budget.forward_overflow_depth(self.q, self.c, self.b, name, dt=dt, r0=r0)
+            if self.sigma is not None:
+                bwd = _budget.backward_overflow_depth(self.q, self.sigma, self.c, self.b, self.l1, self.l0, name,
+                                                      dt=dt, r0=r0, lip_g=lip_g)
+        else:
+            _budget._check_run(M, dt, r0, lip_g)
+        return Depths.from_overflow(name, M, fwd, bwd)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"name": self.name, "q": self.q, "sigma": self.sigma, "c": self.c, "b": self.b,
+                "l1": self.l1, "l0": self.l0, "culprit": self.culprit, "fix": self.fix}
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def __str__(self) -> str:
+        label = f"{self.name}: " if self.name else ""
+        growth = f"||v(x)|| <= {_fmt_num(self.c)} ||x||^{_fmt_num(self.q)} + {_fmt_num(self.b)}"
+        return (f"{label}{self.exponents}, {growth}, "
+                f"L(R) <= {_fmt_num(self.l1)} R^{_fmt_num(self.sigma)} + {_fmt_num(self.l0)}")
+
+
+@dataclass(frozen=True)
+class Depths:
+    """Certified depths of a homogeneous stack for one dtype.
+
+    Attributes:
+        dtype: canonical dtype name.
+        max_value: the dtype's largest finite value ``M``.
+        forward: ``D_F``, the largest depth whose forward bound stays below ``M``.
+        backward: ``D_grad``, the largest depth whose backward bound stays below ``M``.
+        certified: ``min(D_F, D_grad)``.
+        forward_overflow: ``D_F + 1``, the first depth at which the forward bound reaches ``M``.
+        backward_overflow: ``D_grad + 1``.
+        exact: ``False`` when a depth is a sound lower bound obtained from closed
+            forms (very long recursions) rather than the exact crossing.
+
+    Depths are Python ints of any size, ``math.inf`` when a bound never reaches
+    ``M``, and ``None`` when an exponent is not derived.
+    """
+
+    dtype: str
+    max_value: float
+    forward: Depth | None
+    backward: Depth | None
+    certified: Depth | None
+    forward_overflow: Depth | None
+    backward_overflow: Depth | None
+    exact: bool = True
+
+    @classmethod
+    def from_overflow(cls, dtype: str, M: float, fwd: _budget.Overflow | None,
+                      bwd: _budget.Overflow | None) -> Depths:
+        f = None if fwd is None else fwd.depth - 1
+        g = None if bwd is None else bwd.depth - 1
+        cert = None if f is None or g is None else min(f, g)
+        exact = all(o.exact for o in (fwd, bwd) if o is not None)
+        return cls(dtype, M, f, g, cert, None if fwd is None else fwd.depth, None if bwd is None else bwd.depth, exact)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {k: _json_num(getattr(self, k)) for k in
+                ("dtype", "max_value", "forward", "backward", "certified", "forward_overflow", "backward_overflow",
+                 "exact")}
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def __str__(self) -> str:
+        tag = "" if self.exact else " (lower bounds)"
+        return (f"{self.dtype}: D_F={_fmt_num(self.forward)}, D_grad={_fmt_num(self.backward)}, "
+                f"D_cert={_fmt_num(self.certified)}{tag}")
+
+
+def suggest_fix(cert: BlockCertificate, kind: str) -> str:
+    """A fix in words for a failing update (THEORY.md section 4).
+
+    Args:
+        cert: the failing update's certificate.
+        kind: ``"forward"``, ``"backward"`` or ``"unknown"``.
+    """
+    if cert.fix:
+        return cert.fix
+    if kind == "unknown":
+        return ("the exponents of this update were not derived: replace the primitive outside the class "
+                "(exp of an argument of unknown sign, division, ...) or register an atom for it")
+    if cert.q is not None and cert.q > 1:
+        return (f"q = {cert.q:g} > 1: normalize the input of the primitive with the largest exponent (q -> 0) or "
+                "swap it for a Lipschitz or bounded substitute (q -> 1), e.g. a sigmoid gate instead of SiLU")
+    if kind == "backward" and cert.sigma is not None and cert.sigma > 0:
+        return (f"sigma = {cert.sigma:g} > 0: bound the culprit -- normalize the branch input (sigma -> 0), or for "
+                "attention normalize queries and keys (QK-norm removes the R^2 term); or use a wider dtype, "
+                "a smaller dt or fewer updates")
+    return ("the coefficients are too large for this depth: reduce the operator norms (c, l0), the step dt or the "
+            "depth, or use a wider dtype")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Where a stack stops being certified.
+
+    Attributes:
+        index: the failing update (0-based): the first depth at which a bound
+            reaches ``M`` is ``index + 1``.
+        name: that update's name.
+        kind: ``"forward"``, ``"backward"`` or ``"unknown"`` (exponents not derived).
+        reason: a sentence saying what fails.
+        fix: what to change.
+    """
+
+    index: int
+    name: str
+    kind: str
+    reason: str
+    fix: str
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"index": self.index, "name": self.name, "kind": self.kind, "reason": self.reason, "fix": self.fix}
+
+
+@dataclass(frozen=True)
+class StackCertificate:
+    """Certificate of a finite stack of residual updates (:func:`certify_stack`).
+
+    Attributes:
+        updates: the updates' certificates in depth order.
+        dtype: canonical dtype name; ``max_value`` its ``M``.
+        dt, r0, lip_g: the run's parameters.
+        radii: ``R_0 .. R_n`` (upper bounds).
+        log_factors: ``log(1 + dt L_k(R_k))`` per update (upper bounds).
+        forward_depth: the number of leading updates over which the forward bound stays below ``M``.
+        backward_depth: likewise for the backward bound.
+        certified_depth: ``min(forward_depth, backward_depth)``, also stopping at an
+            update whose exponents are not derived.
+        first_failure: where certification fails, or ``None`` when ``ok``.
+    """
+
+    updates: Tuple[BlockCertificate, ...]
+    dtype: str
+    max_value: float
+    dt: float
+    r0: float
+    lip_g: float
+    radii: Tuple[float, ...]
+    log_factors: Tuple[float, ...]
+    forward_depth: int
+    backward_depth: int
+    certified_depth: int
+    first_failure: Failure | None = field(default=None)
+
+    @property
+    def depth(self) -> int:
+        """The number of updates in the stack."""
+        return len(self.updates)
+
+    @property
+    def ok(self) -> bool:
+        """True when the whole stack is certified for its dtype."""
+        return self.certified_depth == len(self.updates)
+
+    @property
+    def log_gradient_bound(self) -> float:
+        """Upper bound of ``log(||p_0|| / Lip(G))`` over the whole stack."""
+        return math.fsum(f for f in self.log_factors if not math.isnan(f))
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "dtype": self.dtype, "max_value": self.max_value, "dt": self.dt, "r0": self.r0, "lip_g": self.lip_g,
+            "depth": self.depth, "ok": self.ok, "forward_depth": self.forward_depth,
+            "backward_depth": self.backward_depth, "certified_depth": self.certified_depth,
+            "first_failure": None if self.first_failure is None else self.first_failure.to_dict(),
+            "updates": [
+                {**u.to_dict(), "radius_in": _json_num(self.radii[k]), "log_factor": _json_num(self.log_factors[k])}
+                for k, u in enumerate(self.updates)
+            ],
+            "radius_out": _json_num(self.radii[-1]),
+        }
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def explain(self) -> str:
+        """A readable table: one row per update, then the verdict."""
+        log_budget = math.log(self.max_value) - math.log(self.lip_g)
+        head = (f"stack of {self.depth} updates, {self.dtype} (M = {self.max_value:.4g}), dt = {self.dt:g}, "
+                f"r0 = {self.r0:g}, Lip(G) = {self.lip_g:g}; backward budget log(M/Lip G) = {log_budget:.4g}")
+        cols = ("k", "update", "(q, sigma)", "c", "b", "l1", "l0", "R_k", "log(1+dt L_k)", "cum. log")
+        rows = []
+        cum = 0.0
+        for k, u in enumerate(self.updates):
+            f = self.log_factors[k]
+            cum = cum + f if not math.isnan(f) else math.nan
+            rows.append((str(k), u.name or "-", f"({_fmt_num(u.q)}, {_fmt_num(u.sigma)})", _fmt_num(u.c),
+                         _fmt_num(u.b), _fmt_num(u.l1), _fmt_num(u.l0), _fmt_num(self.radii[k]), _fmt_num(f),
+                         _fmt_num(cum)))
+        widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
+        line = lambda r: "  ".join(s.rjust(w) if i != 1 else s.ljust(w) for i, (s, w) in enumerate(zip(r, widths)))
+        out = [head, line(cols), line(tuple("-" * w for w in widths))]
+        out += [line(r) for r in rows]
+        out.append(f"R_{self.depth} = {_fmt_num(self.radii[-1])}")
+        if self.ok:
+            out.append(f"certified: all {self.depth} updates (D_F >= {self.forward_depth}, "
+                       f"D_grad >= {self.backward_depth}) in {self.dtype}")
+        else:
+            f = self.first_failure
+            assert f is not None
+            out.append(f"NOT certified: {f.reason}")
+            out.append(f"fix: {f.fix}")
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        verdict = "certified" if self.ok else f"not certified past update {self.certified_depth}"
+        return (f"StackCertificate({self.depth} updates, {self.dtype}: {verdict}; "
+                f"forward {self.forward_depth}, backward {self.backward_depth})")
+
+
+def certify_stack(certs: Sequence[BlockCertificate], dtype: object, *, dt: float = 1.0, r0: float = 1.0,
+                  lip_g: float = 1.0) -> StackCertificate:
+    """Certify a finite heterogeneous stack of residual updates.
+
+    Runs the forward radius recursion ``R_{k+1} = R_k + dt (c_k R_k^{q_k} + b_k)``
+    and the layerwise backward sum over the updates in order; boundaries are
+    decided exactly (see :mod:`certblocks.budget`).
+
+    Args:
+        certs: one :class:`BlockCertificate` per residual update, in depth order.
+        dtype: torch dtype or name.
+        dt: residual step size.
+        r0: bound on the input's norm.
+        lip_g: Lipschitz constant of the loss head in the state.
+    """
+    certs = tuple(certs)
+    for k, cert in enumerate(certs):
+        if not isinstance(cert, BlockCertificate):
+            raise TypeError(f"certs[{k}] must be a BlockCertificate, got {type(cert).__name__}")
+    name = _budget.dtype_name(dtype)
+    M = _budget.float_max(name)
+    scan = _budget.scan_stack([c._coefficients() for c in certs], M, dt=dt, r0=r0, lip_g=lip_g)
+    n = len(certs)
+    fwd_depth = n if scan.forward_overflow is None else scan.forward_overflow - 1
+    bwd_depth = n if scan.backward_overflow is None else scan.backward_overflow - 1
+    unknown = scan.unknown_sigma  # first update with q or sigma not derived
+    if unknown is not None:
+        bwd_depth = min(bwd_depth, unknown)
+        if scan.unknown_q is not None:
+            fwd_depth = min(fwd_depth, scan.unknown_q)
+    cert_depth = min(fwd_depth, bwd_depth)
+    failure = None
+    if cert_depth < n:
+        failure = _failure(certs, name, cert_depth, scan, unknown, fwd_depth, bwd_depth)
+    return StackCertificate(certs, name, M, float(dt), float(r0), float(lip_g), scan.radii, scan.log_factors,
+                            fwd_depth, bwd_depth, cert_depth, failure)
+
+
+def _describe(k: int, cert: BlockCertificate) -> str:
+    culprit = f", culprit: {cert.culprit}" if cert.culprit else ""
+    return f"update {k} ({cert.name or 'unnamed'}) with {cert.exponents}{culprit}"
+
+
+def _failure(certs, dtype, depth, scan, unknown, fwd_depth, bwd_depth) -> Failure:
+    k = depth  # the failing update: the first depth at which certification fails is k + 1
+    cert = certs[k]
+    M = _budget.float_max(dtype)
+    if unknown is not None and k == unknown and k <= fwd_depth and k <= bwd_depth:
+        missing = "q and sigma" if cert.q is None and cert.sigma is None else ("q" if cert.q is None else "sigma")
+        reason = f"{_describe(k, cert)} has {missing} not derived"
+        return Failure(k, cert.name, "unknown", reason, suggest_fix(cert, "unknown"))
+    if fwd_depth <= bwd_depth:
+        reason = f"the forward bound reaches M = {M:.4g} at depth {k + 1}, after {_describe(k, cert)}"
+        # A superlinear update upstream is the culprit of a forward failure: name the first with the largest q.
+        qs = [u.q if u.q is not None else -1.0 for u in certs[: k + 1]]
+        worst = qs.index(max(qs))
+        if qs[worst] > 1 and worst != k:
+            reason += f"; the superlinear growth comes from {_describe(worst, certs[worst])}"
+            return Failure(k, cert.name, "forward", reason, suggest_fix(certs[worst], "forward"))
+        return Failure(k, cert.name, "forward", reason, suggest_fix(cert, "forward"))
+    jac = _fmt_num(cert.jacobian_bound(scan.radii[k]))
+    reason = (f"the backward (gradient) bound reaches M = {M:.4g} at depth {k + 1}, after {_describe(k, cert)} "
+              f"whose Jacobian bound on the reachable ball is L(R_{k}) <= {jac}")
+    # Name the update with the largest factor as the culprit of a backward failure.
+    factors = scan.log_factors[: k + 1]
+    worst = max(range(len(factors)), key=lambda i: -1.0 if math.isnan(factors[i]) else factors[i])
+    if worst != k:
+        reason += f"; the largest factor comes from {_describe(worst, certs[worst])}"
+    return Failure(k, cert.name, "backward", reason, suggest_fix(certs[worst], "backward"))
