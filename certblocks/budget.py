@@ -528,24 +528,35 @@ def _exact_linear_crossing(start: Fraction, step: Fraction, target: Fraction) ->
     return math.ceil((target - start) / step)
 
 
-def _exact_geometric_crossing(y0, ratio_log1p, target) -> Depth:
-    """First D >= 0 with y0 * exp(D * ratio_log1p) >= target (mpmath inputs), exactly."""
-    if y0 >= target:
-        return 0
-    if ratio_log1p <= 0 or y0 <= 0:
-        return math.inf
-    guess = int(mpmath.ceil(mpmath.log(target / y0) / ratio_log1p))
-    # Verify the neighbours with precision sized to the depth.
-    prec = _PREC + max(guess, 1).bit_length()
-    with mpmath.workprec(prec):
+def _exact_geometric_crossing(terms: Callable[[], Tuple[mpmath.mpf, mpmath.mpf, mpmath.mpf]]) -> Depth:
+    """First D >= 0 with ``y0 * exp(D * rate) >= target``, decided exactly.
+
+    ``terms()`` returns ``(y0, rate, target)`` evaluated at the current mpmath
+    precision; it is re-evaluated with enough bits for the depth before the
+    neighbours of the estimate are checked.
+    """
+    with mpmath.workprec(_PREC):
+        y0, rate, target = terms()
+        if y0 >= target:
+            return 0
+        if rate <= 0 or y0 <= 0:
+            return math.inf
+        guess = int(mpmath.ceil(mpmath.log(target / y0) / rate))
+    with mpmath.workprec(_PREC + max(guess, 1).bit_length()):
+        y0, rate, target = terms()
+        D = max(1, int(mpmath.ceil(mpmath.log(target / y0) / rate)))  # now with bits to spare
+
         def reaches(D: int) -> bool:
-            return y0 * mpmath.exp(D * ratio_log1p) >= target
-        D = max(guess, 1)
-        while D > 1 and reaches(D - 1):
-            D -= 1
-        while not reaches(D):
-            D += 1
-        return D
+            return y0 * mpmath.exp(D * rate) >= target
+
+        for _ in range(64):  # the estimate is off by at most one: settle it on the exact comparison
+            if D > 1 and reaches(D - 1):
+                D -= 1
+            elif not reaches(D):
+                D += 1
+            else:
+                return D
+    raise RuntimeError("geometric crossing did not settle; please report this")
 
 
 def forward_overflow_depth(q: float, c: float, b: float, dtype: object, *, dt: float = 1.0,
@@ -565,9 +576,11 @@ def forward_overflow_depth(q: float, c: float, b: float, dtype: object, *, dt: f
         inc = Fraction(c if q == 0.0 else 0.0) + Fraction(b)
         return Overflow(_exact_linear_crossing(Fraction(r0), Fraction(dt) * inc, Fraction(M)))
     if q == 1.0:
-        with mpmath.workprec(_PREC):
-            cm, bm = _mp(c), _mp(b)
-            return Overflow(_exact_geometric_crossing(_mp(r0) + bm / cm, mpmath.log1p(cm * _mp(dt)), _mp(M) + bm / cm))
+        def terms():
+            shift = _mp(b) / _mp(c)
+            return _mp(r0) + shift, mpmath.log1p(_mp(c) * _mp(dt)), _mp(M) + shift
+
+        return Overflow(_exact_geometric_crossing(terms))
     u = UpdateCoefficients(q=q, sigma=0.0, c=c, b=b)
     if c == 0.0 and b == 0.0:
         return Overflow(math.inf)
@@ -611,9 +624,10 @@ def backward_overflow_depth(q: float | None, sigma: float | None, c: float, b: f
         L = (l1 if sigma == 0.0 else 0.0) + l0
         if L == 0.0:
             return Overflow(math.inf)
-        with mpmath.workprec(_PREC):
-            rate = mpmath.log1p(_mp(dt) * (_mp(l1 if sigma == 0.0 else 0.0) + _mp(l0)))
-            return Overflow(_exact_geometric_crossing(_mp(lip_g), rate, _mp(M)))
+        def terms():
+            return _mp(lip_g), mpmath.log1p(_mp(dt) * _mp(L)), _mp(M)
+
+        return Overflow(_exact_geometric_crossing(terms))
     b_lo, b_hi = _log_budget(M, lip_g)
     hi = lo = r0
     s_hi = s_lo = 0.0

@@ -297,3 +297,17 @@ def test_long_stacks_and_fp64_answer_quickly():
     for q in (0, 0.5, 1, 2, 5):
         forward_overflow_depth(q, 1.0, 0.0, "fp64")
         backward_overflow_depth(q, 2.0, 1.0, 0.0, 1.0, 1.0, "fp64")
+
+
+def test_tiny_rates_give_exact_huge_depths():
+    import mpmath
+
+    c = 1e-300
+    D = forward_overflow_depth(1, c, 0.0, "fp64").depth
+    G = backward_overflow_depth(1, 0, 1.0, 0.0, 0.0, 1e-200, "fp16").depth
+    assert isinstance(D, int) and D > 10**302
+    with mpmath.workprec(D.bit_length() + 1200):  # enough bits to hold 1 + 1e-300 exactly
+        base, M = 1 + mpmath.mpf(c), mpmath.mpf(float_max("fp64"))
+        assert base**D >= M > base ** (D - 1)
+        base, M = 1 + mpmath.mpf(1e-200), mpmath.mpf(float_max("fp16"))
+        assert base**G >= M > base ** (G - 1)
