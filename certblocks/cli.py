@@ -7,6 +7,8 @@ Commands:
 * ``certblocks table``: forward overflow depths for q in {0, 1/2, 1, 2, 5}
   (``--markdown`` for the README, ``--update-readme PATH`` to rewrite its table).
 * ``certblocks demo``: the certificate tables ``make demo`` prints.
+* ``certblocks certify MODEL``: certify a model's residual updates from its graph
+  (``timm:<name>``, ``hf:gpt2``, ``module:pkg.mod:factory``; see :mod:`certblocks.trace.cli`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import argparse
 import json
 import math
 import sys
-from typing import Callable, Dict, List, Sequence
+from typing import Dict, List, Sequence
 
 from . import budget
 from .certificate import BlockCertificate, Depths
@@ -175,13 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="fp16,bf16,fp32", help="comma-separated dtypes (default fp16,bf16,fp32)")
     p.set_defaults(func=_cmd_demo)
 
-    for register in _EXTRA_COMMANDS:
-        register(sub)
+    from .trace.cli import add_certify_parser
+
+    add_certify_parser(sub)
     return parser
-
-
-#: Hooks that add subcommands (the tracer's ``certify``, ...): each takes the subparsers object.
-_EXTRA_COMMANDS: List[Callable[[argparse._SubParsersAction], None]] = []
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,30 @@
+"""The tracer: certify any ``nn.Module`` from its graph (THEORY.md sections 2 and 4).
+
+``certify(module, example_input)`` captures the module with ``torch.export`` (aten level), applies
+one rule per op and the atom recognizers, finds the residual updates ``X + f(X)`` and returns
+their certificates (exponents, sound coefficients, the culprit and a fix).
+"""
+
+from .api import certify, certify_velocity, find_residual_updates
+from .atoms import Atom, register_atom, registered_atoms, unregister_atom
+from .capture import CapturedGraph, CaptureError, capture
+from .poly import Poly
+from .report import NOT_DERIVED, ModelCertificate, NodeRow, TraceCertificate
+
+__all__ = [
+    "certify",
+    "certify_velocity",
+    "find_residual_updates",
+    "register_atom",
+    "unregister_atom",
+    "registered_atoms",
+    "Atom",
+    "capture",
+    "CapturedGraph",
+    "CaptureError",
+    "Poly",
+    "TraceCertificate",
+    "ModelCertificate",
+    "NodeRow",
+    "NOT_DERIVED",
+]

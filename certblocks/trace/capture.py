@@ -1,0 +1,254 @@
+"""Graph capture with ``torch.export`` (aten level) and one concrete run of the graph.
+
+:func:`capture` exports a module (first ``strict=False``, then ``strict=True``), runs the
+exported graph once on the example input keeping every node's value (constants of a velocity
+are read from this run), and records module paths from the ``nn_module_stack`` metadata.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch import nn
+
+__all__ = ["CapturedGraph", "capture", "CaptureError"]
+
+_PREFIX = "inner."
+
+
+class CaptureError(RuntimeError):
+    """``torch.export`` could not capture the module."""
+
+
+def _flatten_output(o: Any) -> Tuple[torch.Tensor, ...]:
+    if isinstance(o, torch.Tensor):
+        return (o,)
+    if isinstance(o, dict) or hasattr(o, "items"):
+        out: List[torch.Tensor] = []
+        for v in o.values() if isinstance(o, dict) else dict(o.items()).values():
+            out.extend(_flatten_output(v))
+        return tuple(out)
+    if isinstance(o, (list, tuple)):
+        out = []
+        for v in o:
+            out.extend(_flatten_output(v))
+        return tuple(out)
+    return ()
+
+
+class _Wrapper(nn.Module):
+    """Calls the module and returns its tensors as a flat tuple (HF ModelOutput, caches...)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any, **kwargs: Any) -> Tuple[torch.Tensor, ...]:
+        return _flatten_output(self.inner(*args, **kwargs))
+
+
+class CapturedGraph:
+    """An exported graph with the concrete value of every node on the example input.
+
+    Attributes:
+        ep: the ``torch.export.ExportedProgram``.
+        graph: its ``torch.fx.Graph``.
+        nodes: the nodes in topological order.
+        env: node name -> concrete value on the example input.
+        user_inputs: the placeholder nodes of the user inputs (flattened).
+        outputs: the output nodes (flattened).
+        params: placeholder name -> state_dict name of parameters/buffers/constants.
+        root: the module that was captured.
+        strict: the ``strict`` flag that succeeded.
+    """
+
+    def __init__(self, ep: Any, root: nn.Module, flat_inputs: Sequence[Any], strict: bool) -> None:
+        self.ep = ep
+        self.root = root
+        self.strict = strict
+        self.graph = ep.graph_module.graph
+        self.nodes: List[torch.fx.Node] = list(self.graph.nodes)
+        self.index = {n.name: i for i, n in enumerate(self.nodes)}
+        sig = ep.graph_signature
+        self.params: Dict[str, str] = {}
+        placeholders = [n for n in self.nodes if n.op == "placeholder"]
+        specs = list(sig.input_specs)
+        args: List[Any] = []
+        user_iter = iter(flat_inputs)
+        self.user_inputs: List[torch.fx.Node] = []
+        state = ep.state_dict
+        consts = getattr(ep, "constants", {}) or {}
+        for ph, spec in zip(placeholders, specs):
+            kind = spec.kind.name
+            if kind == "USER_INPUT":
+                args.append(next(user_iter))
+                self.user_inputs.append(ph)
+            else:
+                tgt = spec.target
+                self.params[ph.name] = _strip_prefix(tgt)
+                val = state[tgt] if tgt in state else consts.get(tgt)
+                args.append(val)
+        out_node = next(n for n in reversed(self.nodes) if n.op == "output")
+        self.outputs = [a for a in _flat_nodes(out_node.args[0])]
+        self.env: Dict[str, Any] = {}
+        env = self.env
+
+        class _Rec(torch.fx.Interpreter):
+            def run_node(self, n: torch.fx.Node) -> Any:
+                r = super().run_node(n)
+                env[n.name] = r
+                return r
+
+        with torch.no_grad():
+            _Rec(ep.graph_module, garbage_collect_values=False).run(*args)
+        # ancestor bitsets (node i -> int with bit j set when node j is an ancestor-or-self)
+        self._anc: Optional[List[int]] = None
+
+    # structure ------------------------------------------------------------------------------
+    def ancestors(self) -> List[int]:
+        if self._anc is None:
+            anc: List[int] = []
+            for i, n in enumerate(self.nodes):
+                m = 1 << i
+                for a in n.all_input_nodes:
+                    m |= anc[self.index[a.name]]
+                anc.append(m)
+            self._anc = anc
+        return self._anc
+
+    def is_ancestor(self, a: torch.fx.Node, b: torch.fx.Node) -> bool:
+        """``a`` is an ancestor of ``b`` (or ``a is b``)."""
+        return bool(self.ancestors()[self.index[b.name]] >> self.index[a.name] & 1)
+
+    def between(self, x: torch.fx.Node, out: torch.fx.Node) -> Set[str]:
+        """Names of the nodes that depend on ``x`` and feed ``out`` (both included)."""
+        anc = self.ancestors()
+        out_anc = anc[self.index[out.name]]
+        ix = self.index[x.name]
+        res = set()
+        for i, n in enumerate(self.nodes):
+            if (out_anc >> i) & 1 and (anc[i] >> ix) & 1:
+                res.add(n.name)
+        return res
+
+    def depends_on_input(self) -> Set[str]:
+        dep: Set[str] = {n.name for n in self.user_inputs}
+        for n in self.nodes:
+            if n.name in dep:
+                continue
+            if any(a.name in dep for a in n.all_input_nodes):
+                dep.add(n.name)
+        return dep
+
+    def module_stack(self, n: torch.fx.Node) -> List[Tuple[str, str]]:
+        """``[(path, type qualname), ...]`` from the outermost module to the innermost (root excluded)."""
+        st = n.meta.get("nn_module_stack") or {}
+        out = []
+        for v in st.values():
+            path, typ = v[0], v[1]
+            if not isinstance(typ, str):
+                typ = f"{typ.__module__}.{typ.__qualname__}"
+            path = _strip_prefix(path)
+            if path in ("", "inner"):
+                continue
+            out.append((path, typ))
+        return out
+
+    def module_path(self, n: torch.fx.Node) -> str:
+        st = self.module_stack(n)
+        return st[-1][0] if st else ""
+
+    def get_module(self, path: str) -> Optional[nn.Module]:
+        try:
+            return self.root.get_submodule(path) if path else self.root
+        except AttributeError:
+            return None
+
+    def param_name(self, n: Any) -> Optional[str]:
+        return self.params.get(n.name) if isinstance(n, torch.fx.Node) else None
+
+
+def _strip_prefix(path: str) -> str:
+    return path[len(_PREFIX):] if path.startswith(_PREFIX) else path
+
+
+def _flat_nodes(x: Any) -> List[torch.fx.Node]:
+    if isinstance(x, torch.fx.Node):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        out: List[torch.fx.Node] = []
+        for v in x:
+            out.extend(_flat_nodes(v))
+        return out
+    if isinstance(x, dict):
+        out = []
+        for v in x.values():
+            out.extend(_flat_nodes(v))
+        return out
+    return []
+
+
+def _flat_tensors(x: Any) -> List[Any]:
+    if isinstance(x, (list, tuple)):
+        out: List[Any] = []
+        for v in x:
+            out.extend(_flat_tensors(v))
+        return out
+    if isinstance(x, dict):
+        out = []
+        for v in x.values():
+            out.extend(_flat_tensors(v))
+        return out
+    return [x]
+
+
+def _has_mutation(ep: Any) -> bool:
+    for n in ep.graph.nodes:
+        if n.op != "call_function":
+            continue
+        schema = getattr(n.target, "_schema", None)
+        if schema is not None and schema.is_mutable and "assert" not in schema.name:
+            return True
+    return False
+
+
+def capture(module: nn.Module, args: Tuple[Any, ...], kwargs: Optional[Dict[str, Any]] = None) -> CapturedGraph:
+    """Export ``module`` on ``args``/``kwargs`` and run the graph once.
+
+    HF models get ``use_cache=False`` when their forward accepts it.  Raises
+    :class:`CaptureError` naming both export attempts' errors when neither works.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    kwargs = dict(kwargs or {})
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "use_cache" in params and "use_cache" not in kwargs:
+        kwargs["use_cache"] = False
+    wrapper = _Wrapper(module)
+    errors = []
+    for strict in (False, True):
+        try:
+            ep = torch.export.export(wrapper, tuple(args), kwargs=kwargs, strict=strict)
+            break
+        except Exception as exc:  # report both attempts
+            errors.append(f"strict={strict}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    else:
+        raise CaptureError(f"torch.export could not capture {type(module).__name__}; " + " | ".join(errors))
+    if _has_mutation(ep):
+        # in-place ops (x += y, relu_) break dataflow reasoning: functionalize (no decomposition)
+        try:
+            ep = ep.run_decompositions({})
+        except Exception as exc:
+            raise CaptureError(f"the graph of {type(module).__name__} has in-place ops and could not be "
+                               f"functionalized: {type(exc).__name__}: {exc}") from exc
+    # user inputs in the exported order (pytree flattening of args then kwargs)
+    leaves, _ = torch.utils._pytree.tree_flatten((tuple(args), kwargs))
+    n_user = sum(1 for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT")
+    if len(leaves) != n_user:
+        leaves = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    return CapturedGraph(ep, module, leaves, strict)

@@ -1,0 +1,187 @@
+"""Upper-bound polynomials ``P(r) = sum_k a_k r^{e_k}`` with ``a_k >= 0`` and real ``e_k >= 0``.
+
+The tracer propagates, for every node of a velocity's graph, two such bounds in the
+radius ``r`` of the velocity's input (per-token norm):
+
+* ``G(r)``: the node's value has norm ``<= G(||x||)`` (for every ``x``);
+* ``J(R)``: the node's Jacobian with respect to the input has norm ``<= J(R)`` on the
+  ball ``||x|| <= R``.
+
+Nonnegative coefficients make every bound nondecreasing in ``r``, so bounds compose by
+substitution.  The degrees follow the exponent algebra of :mod:`certblocks.exponents`
+exactly (product adds degrees, composition multiplies them), and :meth:`Poly.collapse_growth`
+/ :meth:`Poly.collapse_jacobian` turn a polynomial into the two-term form
+``c r^q + b`` / ``l1 max(R, 1)^sigma + l0`` of a :class:`~certblocks.certificate.BlockCertificate`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Iterable, Optional, Tuple
+
+__all__ = ["Poly"]
+
+_TOL = 1e-9
+
+
+def _key(e: float) -> float:
+    return round(float(e), 9)
+
+
+class Poly:
+    """An upper-bound polynomial with nonnegative coefficients and real exponents (immutable)."""
+
+    __slots__ = ("terms",)
+
+    def __init__(self, terms: Optional[Dict[float, float]] = None) -> None:
+        clean: Dict[float, float] = {}
+        for e, a in (terms or {}).items():
+            if a is None or (isinstance(a, float) and math.isnan(a)):
+                raise ValueError(f"Poly coefficient for exponent {e} is {a!r}")
+            if a < 0:
+                raise ValueError(f"Poly coefficients must be >= 0, got {a} for exponent {e}")
+            if e < -_TOL:
+                raise ValueError(f"Poly exponents must be >= 0, got {e}")
+            if a == 0:
+                continue
+            k = _key(max(e, 0.0))
+            clean[k] = clean.get(k, 0.0) + float(a)
+        self.terms = clean
+
+    # constructors -------------------------------------------------------------------------
+    @classmethod
+    def const(cls, a: float) -> Poly:
+        return cls({0.0: float(a)})
+
+    @classmethod
+    def mono(cls, a: float, e: float) -> Poly:
+        return cls({float(e): float(a)})
+
+    ZERO: Poly
+
+    # queries -------------------------------------------------------------------------------
+    @property
+    def degree(self) -> float:
+        """Largest exponent with a nonzero coefficient (0 for the zero polynomial)."""
+        return max(self.terms, default=0.0)
+
+    def __call__(self, r: float) -> float:
+        return math.fsum(a * (r**e if e else 1.0) for e, a in self.terms.items())
+
+    def total(self) -> float:
+        """``P(1)``: the sum of the coefficients."""
+        return math.fsum(self.terms.values())
+
+    def is_finite(self) -> bool:
+        return all(math.isfinite(a) for a in self.terms.values())
+
+    # arithmetic ----------------------------------------------------------------------------
+    def __add__(self, other: Poly) -> Poly:
+        t = dict(self.terms)
+        for e, a in other.terms.items():
+            t[e] = t.get(e, 0.0) + a
+        return Poly(t)
+
+    def scale(self, s: float) -> Poly:
+        if s < 0:
+            raise ValueError(f"scale must be >= 0, got {s}")
+        if s == 0:
+            return Poly()
+        return Poly({e: a * s for e, a in self.terms.items()})
+
+    def __mul__(self, other: Poly) -> Poly:
+        if isinstance(other, (int, float)):
+            return self.scale(float(other))
+        t: Dict[float, float] = {}
+        for e1, a1 in self.terms.items():
+            for e2, a2 in other.terms.items():
+                k = _key(e1 + e2)
+                t[k] = t.get(k, 0.0) + a1 * a2
+        return Poly(t)
+
+    __rmul__ = __mul__
+
+    def power(self, p: float) -> Poly:
+        """An upper bound of ``P(r)^p`` for ``p >= 0`` (exact for one term or a small integer ``p``)."""
+        if p < 0:
+            raise ValueError(f"power needs p >= 0, got {p}")
+        if p == 0:
+            return Poly.const(1.0)
+        items = list(self.terms.items())
+        if not items:
+            return Poly()
+        if len(items) == 1:
+            e, a = items[0]
+            return Poly({e * p: a**p})
+        if float(p).is_integer() and p <= 4:
+            out = Poly.const(1.0)
+            for _ in range(int(p)):
+                out = out * self
+            return out
+        m = len(items)
+        # power mean: (sum_i t_i)^p <= m^(p-1) sum_i t_i^p for p >= 1; subadditivity for p < 1.
+        f = m ** (p - 1) if p >= 1 else 1.0
+        return Poly({e * p: f * a**p for e, a in items})
+
+    def compose(self, inner: Poly) -> Poly:
+        """An upper bound of ``self(inner(r))``."""
+        out = Poly()
+        for e, a in self.terms.items():
+            out = out + inner.power(e).scale(a)
+        return out
+
+    # collapse to certificate form ----------------------------------------------------------
+    def collapse_growth(self, q: float) -> Tuple[float, float]:
+        """``(c, b)`` with ``P(r) <= c r^q + b`` for every ``r >= 0``.
+
+        Terms with ``0 < e < q`` are split by Young's inequality
+        ``r^e <= (e/q) r^q + (1 - e/q)``.  Raises ``ValueError`` when the degree exceeds ``q``.
+        """
+        c = b = 0.0
+        for e, a in self.terms.items():
+            if e > q + _TOL:
+                raise ValueError(f"bound of degree {e} cannot be written with exponent q={q}")
+            if e == 0:
+                b += a
+            elif abs(e - q) <= _TOL:
+                c += a
+            else:
+                c += a * e / q
+                b += a * (1 - e / q)
+        return c, b
+
+    def collapse_jacobian(self, sigma: float) -> Tuple[float, float]:
+        """``(l1, l0)`` with ``P(R) <= l1 max(R, 1)^sigma + l0`` for every ``R >= 0``."""
+        l1 = l0 = 0.0
+        for e, a in self.terms.items():
+            if e > sigma + _TOL:
+                raise ValueError(f"bound of degree {e} cannot be written with exponent sigma={sigma}")
+            if e == 0:
+                l0 += a
+            else:
+                l1 += a
+        return l1, l0
+
+    def __repr__(self) -> str:
+        if not self.terms:
+            return "0"
+        return " + ".join(f"{a:.4g}" + (f" r^{e:g}" if e else "") for e, a in sorted(self.terms.items()))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Poly) and self.terms == other.terms
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self.terms.items())))
+
+
+Poly.ZERO = Poly()
+
+
+def psum(polys: Iterable[Optional[Poly]]) -> Optional[Poly]:
+    """Sum of bounds; ``None`` (unknown) if any is unknown."""
+    out = Poly()
+    for p in polys:
+        if p is None:
+            return None
+        out = out + p
+    return out
