@@ -1,0 +1,636 @@
+"""Multi-head self-attention velocities: :class:`QKNormAttention` (certified, (1, 1)) and :class:`Attention` ((1, 2)).
+
+Both are GPT-2 style self-attention (one fused input projection ``dim -> 3 dim`` split
+into queries, keys and values, one output projection) computed with
+``F.scaled_dot_product_attention``.  :class:`QKNormAttention` normalizes each head's
+queries and keys (RMS, L2 or LayerNorm with a learnable scale, as in ViT-22B, OLMo-2 and
+timm's ``qk_norm``); the input itself is not normalized.  The block is a velocity: the
+residual ``X + dt * v(X)`` is added by the stack.
+
+Parameter names follow the checkpoint the block replaces, chosen by ``naming``:
+
+* ``naming="gpt2"`` (default): ``c_attn``, ``c_proj`` (nanoGPT, HF GPT-2);
+* ``naming="timm"``: ``qkv``, ``proj`` (timm ``Attention``).
+
+The QK-norm scales are ``q_norm.weight`` / ``k_norm.weight`` (and ``.bias`` for
+``qk_norm="layer"``) in both namings, as in timm.  ``in_proj`` / ``out_proj`` are
+name-independent aliases of the two projections.
+
+Certificates (per-token norm ``||X|| = max_i ||x_i||_2``; the Jacobian bound is an upper
+bound of the operator norm induced by that norm, through ``max_i sum_j ||dy_i/dx_j||_2``)
+bound the block with dropout inactive (``eval()`` or ``p = 0``).  With ``M_h = W_O^h W_V^h``,
+``kappa_h = ||W_Q^{hT} W_K^h||``, ``beta_h = ||W_K^{hT} b_Q^h||`` and ``s`` the logit scale:
+
+* growth (both): ``||v(X)|| <= c ||X|| + b`` with ``c = min(sum_h ||M_h||, sqrt(H) ||[M_1 .. M_H]||)``
+  and ``b = ||W_O b_V + b_O||`` (each output token is a convex combination of value vectors);
+* Jacobian, plain attention: ``L(R) <= c + s sum_h ||M_h|| (2 kappa_h R^2 + beta_h R)``; the
+  ``R^2`` term is attained on the cone where a query has two tied maximal logits;
+* Jacobian, QK-norm: ``L(R) <= c + s R sum_h ||M_h|| (A_k G_q ||W_Q^h|| + A_q G_k ||W_K^h||)``,
+  where ``A`` bounds the normalized vector (``||g||_inf sqrt(d_k)`` for RMS) and ``G`` bounds
+  the normalization's Jacobian (``||g||_inf / sqrt(eps)``).
+
+Derivation (one head, query ``i``, attention row ``P_i``, ``xbar_i = sum_k P_ik x_k``):
+``dy_i/dx_j = P_ij M + s P_ij W_O W_V (x_j - xbar_i) q_i^T W_K + [i = j] s W_O W_V C_i W_K^T W_Q``
+with ``C_i = sum_k P_ik (x_k - xbar_i)(x_k - xbar_i)^T``; then ``sum_j P_ij ||x_j - xbar_i|| <= R``
+and ``||C_i|| <= R^2`` (the spread of points in a ball).  QK-norm replaces ``W_K^T q_i`` and
+``W_Q`` by the normalized vectors and the normalizations' Jacobians.
+
+In this norm none of the bounds depends on the sequence length ``n`` (THEORY.md's factor
+``n`` belongs to the Frobenius norm over all tokens); ``seq_len=1`` is used to tighten
+(the block is then linear).  The QK-norm coefficient ``l1`` grows like ``1/sqrt(eps)``: it
+is attained near a query whose projection vanishes (``tests/blocks/test_growth.py``); a
+larger ``qk_norm_eps`` lowers it.
+
+Speed: in eager mode, ``"rms"``/``"l2"`` QK-norm runs through a fused split-and-normalize
+``autograd.Function`` with a hand-written backward; :meth:`forward_reference` is its plain
+twin, and under ``torch.compile`` the plain composition is traced (inductor fuses it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..certificate import BlockCertificate
+from ..exponents import ATTENTION, QK_NORM_ATTENTION, Exponents
+from . import _coeffs
+
+__all__ = ["Attention", "QKNormAttention", "QKNorm"]
+
+_NAMINGS = {"gpt2": ("c_attn", "c_proj"), "timm": ("qkv", "proj")}
+_QK_NORMS = ("rms", "l2", "layer")
+
+
+def _check_int(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
+    return value
+
+
+def _check_prob(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) < 1.0:
+        raise ValueError(f"{name} must be a probability in [0, 1), got {value!r}")
+    return float(value)
+
+
+def _check_choice(name: str, value: Any, allowed: Tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    return value
+
+
+def _check_cert_args(seq_len: Optional[int], r0: Optional[float]) -> None:
+    if seq_len is not None:
+        _check_int("seq_len", seq_len)
+    if r0 is not None and (isinstance(r0, bool) or not isinstance(r0, (int, float)) or not r0 >= 0
+                           or not math.isfinite(r0)):
+        raise ValueError(f"r0 must be a finite number >= 0 or None, got {r0!r}")
+
+
+def check_input(x: torch.Tensor, dim: int, weight: torch.Tensor, name: str = "x", ndim: Optional[int] = None) -> None:
+    """Raise a clear error when ``x`` has the wrong type, shape or dtype for a block of width ``dim``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(f"{name} must have shape (batch, seq_len, {dim}), got {tuple(x.shape)}")
+    if x.ndim < 1 or x.shape[-1] != dim:
+        raise ValueError(f"{name} must have last dimension {dim} (the block's dim), got shape {tuple(x.shape)}")
+    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(f"{name}.dtype {x.dtype} differs from the block's parameters ({weight.dtype}); "
+                        f"cast the block with .to({x.dtype}) or run under torch.autocast")
+
+
+class _SplitQKVRMSNorm(torch.autograd.Function):
+    """Split a fused projection into heads and RMS-normalize queries and keys, with a hand-written backward.
+
+    Input ``qkv`` is ``(B, T, 3 C)``; outputs ``q, k, v`` are contiguous ``(B, nh, T, hs)`` with
+    ``q = x_q * rsqrt(mean(x_q^2) + eps) * w_q`` (likewise ``k``).  Compared with the autograd composition
+    (split, permute, norm, mul) it makes fewer passes over memory, writes the gradient of the projection
+    directly in its own layout (no zero fill, stack or copy) and reads everything contiguously.  Its plain
+    twin is :class:`QKNorm` (used by ``forward_reference``; the tests check both agree, gradients too).
+    """
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float,  # type: ignore[override]
+                num_heads: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, T, C3 = qkv.shape
+        hd = C3 // (3 * num_heads)
+        x = qkv.view(B, T, 3, num_heads, hd).permute(2, 0, 3, 1, 4)  # (3, B, nh, T, hs) view
+        ms = torch.linalg.vector_norm(x[:2], dim=-1, keepdim=True).square_().mul_(1.0 / hd)
+        r = torch.rsqrt(ms.add_(eps))  # (2, B, nh, T, 1)
+        xhat = torch.empty((2, B, num_heads, T, hd), dtype=qkv.dtype, device=qkv.device)
+        torch.mul(x[:2], r, out=xhat)
+        w = torch.stack([wq, wk])[:, None, None, None, :]  # (2, 1, 1, 1, hs)
+        qk = xhat * w
+        v = x[2].contiguous()
+        ctx.save_for_backward(xhat, r, w)
+        ctx.needs_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        return qk[0], qk[1], v
+
+    @staticmethod
+    def backward(ctx, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor):  # type: ignore[override]
+        xhat, r, w = ctx.saved_tensors
+        _, B, nh, T, hd = xhat.shape
+        dqkv = torch.empty((B, T, 3 * nh * hd), dtype=xhat.dtype, device=xhat.device)
+        dview = dqkv.view(B, T, 3, nh, hd).permute(2, 0, 3, 1, 4)
+        if dv is None:
+            dview[2].zero_()
+        else:
+            dview[2].copy_(dv)
+        dws = []
+        for c, dy in enumerate((dq, dk)):  # per half: no stacking copy of the incoming gradients
+            if dy is None:
+                dview[c].zero_()
+                dws.append(None)
+                continue
+            xh, wc = xhat[c], w[c]
+            g = dy * wc
+            m = torch.linalg.vecdot(xh, g, dim=-1).unsqueeze_(-1).mul_(1.0 / hd)
+            g = torch.addcmul(g, xh, m, value=-1.0)  # g - xhat mean(xhat g)
+            torch.mul(g, r[c], out=dview[c])
+            dws.append((dy * xh).sum(dim=(0, 1, 2)) if ctx.needs_w else None)
+        dwq, dwk = dws
+        return dqkv, dwq, dwk, None, None
+
+
+class QKNorm(nn.Module):
+    """Per-head normalization of queries or keys over the head dimension.
+
+    Args:
+        dim: head dimension ``d_k``.
+        kind: ``"rms"`` (``g * x / sqrt(mean(x^2) + eps)``), ``"l2"`` (``g * x / sqrt(||x||^2 + eps)``)
+            or ``"layer"`` (LayerNorm with weight and bias).
+        eps: the ``eps`` above (``> 0``: it bounds the normalization's Jacobian by ``||g||_inf / sqrt(eps)``).
+    """
+
+    def __init__(self, dim: int, kind: str = "rms", *, eps: float = 1e-6, device=None, dtype=None) -> None:
+        super().__init__()
+        self.dim = _check_int("dim", dim)
+        self.kind = _check_choice("qk_norm", kind, _QK_NORMS)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+            raise ValueError(f"eps must be a number > 0 (it bounds the Jacobian of the normalization), got {eps!r}")
+        self.eps = float(eps)
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+        if kind == "layer":
+            self.bias = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "rms":
+            return F.rms_norm(x, (self.dim,), self.weight, self.eps)
+        if self.kind == "l2":
+            return F.rms_norm(x, (self.dim,), self.weight, self.eps / self.dim) * (self.dim ** -0.5)
+        return F.layer_norm(x, (self.dim,), self.weight, self.bias, self.eps)
+
+    def output_bound(self) -> float:
+        """``A``: an upper bound of the Euclidean norm of the output, whatever the input."""
+        g = _coeffs.vec_inf_norm(self.weight)
+        if self.kind == "l2":
+            return g
+        return g * math.sqrt(self.dim) + _coeffs.vec_norm(self.bias)
+
+    def jacobian_bound(self) -> float:
+        """``G``: an upper bound of the spectral norm of the Jacobian, at every input."""
+        return _coeffs.vec_inf_norm(self.weight) / math.sqrt(self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, kind={self.kind!r}, eps={self.eps:g}"
+
+
+class _SelfAttention(nn.Module):
+    """Shared implementation of :class:`Attention` and :class:`QKNormAttention`."""
+
+    exponents: ClassVar[Exponents] = ATTENTION
+
+    def __init__(self, dim: int, num_heads: int, *, causal: bool = True, bias: bool = True,
+                 qkv_bias: Optional[bool] = None, proj_bias: Optional[bool] = None,
+                 qk_norm: Optional[str] = None, qk_norm_eps: float = 1e-6, attn_dropout: float = 0.0,
+                 resid_dropout: float = 0.0, scale: Optional[float] = None, naming: str = "gpt2",
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        dim = _check_int("dim", dim)
+        num_heads = _check_int("num_heads", num_heads)
+        if dim % num_heads:
+            raise ValueError(f"num_heads={num_heads} must divide dim={dim}")
+        for name, flag in (("causal", causal), ("bias", bias)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        qkv_bias = bias if qkv_bias is None else qkv_bias
+        proj_bias = bias if proj_bias is None else proj_bias
+        self.dim = dim
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.causal = causal
+        if scale is None:
+            scale = self.head_dim ** -0.5
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+            raise ValueError(f"scale must be a number > 0 or None (1/sqrt(head_dim)), got {scale!r}")
+        self.scale = float(scale)
+        self.naming = _check_choice("naming", naming, tuple(_NAMINGS))
+        self._in_name, self._out_name = _NAMINGS[naming]
+        dd = {"device": device, "dtype": dtype}
+        self.add_module(self._in_name, nn.Linear(dim, 3 * dim, bias=bool(qkv_bias), **dd))
+        if qk_norm is None:
+            self.qk_norm: Optional[str] = None
+            self.q_norm: nn.Module = nn.Identity()
+            self.k_norm: nn.Module = nn.Identity()
+        else:
+            self.qk_norm = _check_choice("qk_norm", qk_norm, _QK_NORMS)
+            self.q_norm = QKNorm(self.head_dim, qk_norm, eps=qk_norm_eps, **dd)
+            self.k_norm = QKNorm(self.head_dim, qk_norm, eps=qk_norm_eps, **dd)
+        self.add_module(self._out_name, nn.Linear(dim, dim, bias=bool(proj_bias), **dd))
+        self.attn_dropout = nn.Dropout(_check_prob("attn_dropout", attn_dropout))
+        self.resid_dropout = nn.Dropout(_check_prob("resid_dropout", resid_dropout))
+
+    # -- name-independent aliases ---------------------------------------------------------------------------
+    @property
+    def in_proj(self) -> nn.Linear:
+        """The fused query/key/value projection (``c_attn`` or ``qkv``)."""
+        return getattr(self, self._in_name)
+
+    @property
+    def out_proj(self) -> nn.Linear:
+        """The output projection (``c_proj`` or ``proj``)."""
+        return getattr(self, self._out_name)
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, num_heads={self.num_heads}, causal={self.causal}, qk_norm={self.qk_norm!r}, "
+                f"naming={self.naming!r}")
+
+    # -- forward --------------------------------------------------------------------------------------------
+    def _qkv(self, x: torch.Tensor, fast: bool = True) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, T, C = x.shape
+        # eager fast path; under torch.compile the plain composition is traced (inductor fuses it itself)
+        if (fast and self.qk_norm in ("rms", "l2") and self.q_norm.eps == self.k_norm.eps
+                and not torch.compiler.is_compiling()):
+            assert isinstance(self.q_norm, QKNorm) and isinstance(self.k_norm, QKNorm)
+            wq, wk, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+            if self.qk_norm == "l2":  # g x / sqrt(||x||^2 + eps) = (g / sqrt(hs)) x / sqrt(mean(x^2) + eps / hs)
+                c = self.head_dim ** -0.5
+                wq, wk, eps = wq * c, wk * c, eps / self.head_dim
+            return _SplitQKVRMSNorm.apply(self.in_proj(x), wq, wk, eps, self.num_heads)  # each (B, nh, T, hs)
+        qkv = self.in_proj(x).view(B, T, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, nh, T, hs)
+        return self.q_norm(q), self.k_norm(k), v
+
+    def _mask(self, x: torch.Tensor, T: int, attn_mask: Optional[torch.Tensor],
+              key_padding_mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """An additive float mask (B or 1, nh or 1, T, T), or None when only the causal mask applies."""
+        if attn_mask is None and key_padding_mask is None:
+            return None
+        allowed: Optional[torch.Tensor] = None
+        additive: Optional[torch.Tensor] = None
+        if self.causal:
+            allowed = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        if attn_mask is not None:
+            if not isinstance(attn_mask, torch.Tensor):
+                raise TypeError(f"attn_mask must be a torch.Tensor, got {type(attn_mask).__name__}")
+            if attn_mask.shape[-2:] != (T, T) or attn_mask.ndim > 4:
+                raise ValueError(f"attn_mask must broadcast to (batch, num_heads, {T}, {T}) with its last two "
+                                 f"dimensions equal to ({T}, {T}), got shape {tuple(attn_mask.shape)}")
+            if attn_mask.dtype == torch.bool:
+                allowed = attn_mask if allowed is None else allowed & attn_mask
+            elif attn_mask.is_floating_point():
+                additive = attn_mask.to(dtype)
+            else:
+                raise TypeError(f"attn_mask must be bool (True = attend) or floating (additive), got {attn_mask.dtype}")
+        if key_padding_mask is not None:
+            if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
+                raise TypeError("key_padding_mask must be a bool tensor (True = padded key, ignored), got "
+                                f"{getattr(key_padding_mask, 'dtype', type(key_padding_mask).__name__)}")
+            if key_padding_mask.shape != (x.shape[0], T):
+                raise ValueError(f"key_padding_mask must have shape (batch, seq_len) = {(x.shape[0], T)}, "
+                                 f"got {tuple(key_padding_mask.shape)}")
+            keep = ~key_padding_mask[:, None, None, :]
+            allowed = keep if allowed is None else allowed & keep
+        if additive is None:
+            additive = torch.zeros((), dtype=dtype, device=x.device)
+        if allowed is None:
+            return additive
+        # finfo.min / 2 rather than -inf: a query whose keys are all masked attends uniformly instead of giving
+        # NaN, and logit + mask cannot overflow to -inf in fp16.
+        return additive.masked_fill(~allowed, torch.finfo(dtype).min / 2)
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The velocity ``v(x)``.
+
+        Args:
+            x: ``(batch, seq_len, dim)``.
+            attn_mask: optional mask broadcastable to ``(batch, num_heads, seq_len, seq_len)``: bool
+                (``True`` = may attend, as in ``scaled_dot_product_attention``) or floating (added to the
+                logits); combined with the causal mask when ``causal=True``.
+            key_padding_mask: optional bool ``(batch, seq_len)``, ``True`` marks padded keys (ignored), as in
+                ``nn.MultiheadAttention``.  A query whose keys are all masked attends uniformly (no NaN).
+
+        Returns:
+            ``(batch, seq_len, dim)``.
+        """
+        check_input(x, self.dim, self.in_proj.weight, ndim=3)
+        B, T, C = x.shape
+        q, k, v = self._qkv(x)
+        mask = self._mask(x, T, attn_mask, key_padding_mask, q.dtype)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.attn_dropout.p if self.training else 0.0,
+            is_causal=self.causal and mask is None, scale=self.scale)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, nh*hs)
+        return self.resid_dropout(self.out_proj(y))
+
+    def forward_reference(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                          key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Plain-torch twin of :meth:`forward` (explicit softmax, no dropout), used by the tests."""
+        check_input(x, self.dim, self.in_proj.weight, ndim=3)
+        B, T, C = x.shape
+        q, k, v = self._qkv(x, fast=False)
+        logits = (q @ k.transpose(-2, -1)) * self.scale  # (B, nh, T, T)
+        mask = self._mask(x, T, attn_mask, key_padding_mask, q.dtype)
+        if mask is None and self.causal:
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            mask = torch.zeros(T, T, dtype=q.dtype, device=x.device).masked_fill(~causal, torch.finfo(q.dtype).min / 2)
+        if mask is not None:
+            logits = logits + mask
+        y = logits.softmax(dim=-1) @ v
+        return self.out_proj(y.transpose(1, 2).reshape(B, T, C))
+
+    # -- certificate ----------------------------------------------------------------------------------------
+    def _head_weights(self) -> Dict[str, Any]:
+        D, hd, H = self.dim, self.head_dim, self.num_heads
+        w = self.in_proj.weight.detach().double().cpu()
+        b = self.in_proj.bias
+        b = None if b is None else b.detach().double().cpu()
+        wo = self.out_proj.weight.detach().double().cpu()
+        bo = self.out_proj.bias
+        bo = None if bo is None else bo.detach().double().cpu()
+        wq, wk, wv = w[:D], w[D:2 * D], w[2 * D:]
+        bq = None if b is None else b[:D]
+        bv = None if b is None else b[2 * D:]
+        sl = [slice(h * hd, (h + 1) * hd) for h in range(H)]
+        return {"wq": [wq[s] for s in sl], "wk": [wk[s] for s in sl], "wv": [wv[s] for s in sl],
+                "wo": [wo[:, s] for s in sl], "bq": None if bq is None else [bq[s] for s in sl],
+                "wo_full": wo, "wv_full": wv, "bv_full": bv, "bo": bo}
+
+    def _value_coefficients(self, hw: Dict[str, Any], seq_len: Optional[int]) -> Tuple[float, float, list]:
+        """``(c, b, [||M_h||])`` of the value path (growth; also the Jacobian's constant term)."""
+        m_norms = [_coeffs.product_norm(wo, wv) for wo, wv in zip(hw["wo"], hw["wv"])]
+        bias = torch.zeros(self.dim, dtype=torch.float64)
+        if hw["bv_full"] is not None:
+            bias = bias + hw["wo_full"] @ hw["bv_full"]
+        if hw["bo"] is not None:
+            bias = bias + hw["bo"]
+        b = _coeffs.vec_norm(bias)
+        if seq_len == 1:  # one token: v(x) = W_O W_V x + bias exactly
+            return _coeffs.op_norm(hw["wo_full"] @ hw["wv_full"]), b, m_norms
+        # ||[M_1 .. M_H]|| = ||W_O blockdiag(R_h^T)|| with W_V^h = (Q_h R_h)^T
+        blocks = [wo @ torch.linalg.qr(wv.T, mode="r")[1].T for wo, wv in zip(hw["wo"], hw["wv"])]
+        concat = _coeffs.op_norm(torch.cat(blocks, dim=1))
+        c = min(math.fsum(m_norms), math.sqrt(self.num_heads) * concat)
+        return c, b, m_norms
+
+    def certificate(self, *, seq_len: Optional[int] = None, r0: Optional[float] = None) -> BlockCertificate:
+        """Certificate of this velocity from its current weights (dropout inactive).
+
+        Args:
+            seq_len: number of tokens ``n``.  Optional: in the per-token norm the bounds hold for every
+                ``n``; ``seq_len=1`` gives the exact linear bound (``l1 = 0``).
+            r0: accepted for a uniform block API; the coefficients are global (valid at every radius),
+                so ``r0`` does not change them.
+
+        Returns:
+            A :class:`BlockCertificate` with ``(q, sigma)`` = :attr:`exponents`.
+        """
+        _check_cert_args(seq_len, r0)
+        hw = self._head_weights()
+        c, b, m_norms = self._value_coefficients(hw, seq_len)
+        s = self.scale
+        if seq_len == 1:
+            l1 = 0.0
+            l0 = c
+        elif self.qk_norm is None:
+            kappa = [_coeffs.product_norm(wq.T, wk) for wq, wk in zip(hw["wq"], hw["wk"])]
+            beta = [0.0] * self.num_heads if hw["bq"] is None else [
+                _coeffs.vec_norm(wk.T @ bq) for wk, bq in zip(hw["wk"], hw["bq"])]
+            # s R beta <= s beta (R^2 + 1) / 2
+            l1 = s * math.fsum(m * (2.0 * k + 0.5 * bt) for m, k, bt in zip(m_norms, kappa, beta))
+            l0 = c + s * math.fsum(m * 0.5 * bt for m, bt in zip(m_norms, beta))
+        else:
+            a_q, a_k = self.q_norm.output_bound(), self.k_norm.output_bound()
+            g_q, g_k = self.q_norm.jacobian_bound(), self.k_norm.jacobian_bound()
+            l1 = s * math.fsum(m * (a_k * g_q * _coeffs.op_norm(wq) + a_q * g_k * _coeffs.op_norm(wk))
+                               for m, wq, wk in zip(m_norms, hw["wq"], hw["wk"]))
+            l0 = c
+        e = type(self).exponents if self.qk_norm is None else QK_NORM_ATTENTION
+        if self.qk_norm is None:
+            culprit = "query-key logits s X^T Wq^T Wk X inside the softmax (Jacobian ~ kappa s R^2)"
+            fix = "normalize queries and keys (QKNormAttention): sigma 2 -> 1"
+        else:
+            culprit = f"QK-normalized ({self.qk_norm}) attention: Jacobian ~ R through the spread of the values"
+            fix = ""
+        return BlockCertificate(e.q, e.sigma, c=c, b=b, l1=l1, l0=l0, name=type(self).__name__,
+                                culprit=culprit, fix=fix)
+
+    # -- conversion -----------------------------------------------------------------------------------------
+    @classmethod
+    def _from_module(cls, src: nn.Module, qk_norm_required: bool, **overrides: Any) -> _SelfAttention:
+        kind, cfg, sd = _read_source(src)
+        src_norm = cfg.pop("qk_norm")
+        if src_norm is not None and not qk_norm_required:
+            raise ValueError(f"{type(src).__name__} normalizes queries and keys ({src_norm}); convert it with "
+                             "QKNormAttention.from_module, Attention has no QK-norm")
+        if qk_norm_required:
+            want = overrides.pop("qk_norm", None)
+            if src_norm is not None and want is not None and want != src_norm:
+                raise ValueError(f"qk_norm={want!r} differs from the source's QK-norm {src_norm!r}")
+            cfg["qk_norm"] = src_norm if src_norm is not None else (want or "rms")
+        cfg.update(overrides)
+        block = cls(**cfg)
+        if qk_norm_required and src_norm is None:
+            # the source has no QK-norm: its scales start at the block's initial values (g = 1, bias 0)
+            for key, value in block.state_dict().items():
+                if key.startswith(("q_norm.", "k_norm.")):
+                    sd[key] = value
+        block.load_state_dict(sd, strict=True)
+        return block
+
+
+def _linear_sd(prefix: str, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Dict[str, torch.Tensor]:
+    out = {f"{prefix}.weight": weight.detach().clone()}
+    if bias is not None:
+        out[f"{prefix}.bias"] = bias.detach().clone()
+    return out
+
+
+def _norm_kind(norm: nn.Module) -> Tuple[Optional[str], Optional[float]]:
+    """Map a source's q_norm/k_norm module to ``(kind, eps)``."""
+    if isinstance(norm, nn.Identity):
+        return None, None
+    name = type(norm).__name__
+    eps = getattr(norm, "eps", None)
+    weight = getattr(norm, "weight", None)
+    if eps is None or not isinstance(weight, torch.Tensor):
+        raise ValueError(f"unsupported QK-norm module {name}: need an affine RMSNorm or LayerNorm with eps")
+    if isinstance(norm, nn.LayerNorm) or "LayerNorm" in name:
+        if getattr(norm, "bias", None) is None:
+            raise ValueError(f"unsupported QK-norm module {name} without bias")
+        return "layer", float(eps)
+    if isinstance(norm, nn.RMSNorm) or "RmsNorm" in name or "RMSNorm" in name:
+        return "rms", float(eps if eps is not None else torch.finfo(weight.dtype).eps)
+    raise ValueError(f"unsupported QK-norm module {name}: need an affine RMSNorm or LayerNorm")
+
+
+def _read_source(src: nn.Module) -> Tuple[str, Dict[str, Any], Dict[str, torch.Tensor]]:
+    """Recognize a source attention module; return its kind, constructor config and a state dict in block names."""
+    if not isinstance(src, nn.Module):
+        raise TypeError(f"src must be an nn.Module, got {type(src).__name__}")
+    if hasattr(src, "c_attn") and hasattr(src, "c_proj"):
+        w_in, w_out = src.c_attn.weight, src.c_proj.weight
+        is_hf = type(src.c_attn).__name__ == "Conv1D" and hasattr(src.c_attn, "nf")
+        if is_hf:  # HF GPT2Attention: Conv1D weights are (in, out)
+            if getattr(src, "is_cross_attention", False):
+                raise ValueError("cross-attention GPT2Attention is not self-attention; it cannot be converted")
+            dim, heads = int(src.embed_dim), int(src.num_heads)
+            hd = dim // heads
+            scaling = float(getattr(src, "scaling", hd ** -0.5))
+            if not math.isclose(scaling, hd ** -0.5, rel_tol=1e-12):
+                raise ValueError(f"GPT2Attention with logit scale {scaling} (scale_attn_weights=False or "
+                                 "scale_attn_by_inverse_layer_idx) is not supported; pass scale= to the block")
+            w_in, w_out = w_in.T, w_out.T
+            kind = "hf_gpt2"
+            attn_p, resid_p = src.attn_dropout.p, src.resid_dropout.p
+            causal = bool(getattr(src, "is_causal", True))
+        else:  # nanoGPT CausalSelfAttention
+            dim, heads = int(src.n_embd), int(src.n_head)
+            kind = "nanogpt"
+            attn_p = src.attn_dropout.p if hasattr(src, "attn_dropout") else float(getattr(src, "dropout", 0.0))
+            resid_p = src.resid_dropout.p if hasattr(src, "resid_dropout") else float(getattr(src, "dropout", 0.0))
+            causal = True
+        if tuple(w_in.shape) != (3 * dim, dim) or tuple(w_out.shape) != (dim, dim):
+            raise ValueError(f"{type(src).__name__}: c_attn/c_proj shapes {tuple(w_in.shape)}/{tuple(w_out.shape)} "
+                             f"do not match dim={dim}")
+        sd = {**_linear_sd("c_attn", w_in, src.c_attn.bias), **_linear_sd("c_proj", w_out, src.c_proj.bias)}
+        cfg = dict(dim=dim, num_heads=heads, causal=causal, qkv_bias=src.c_attn.bias is not None,
+                   proj_bias=src.c_proj.bias is not None, attn_dropout=float(attn_p), resid_dropout=float(resid_p),
+                   naming="gpt2", qk_norm=None)
+        norm_kind = None
+        if hasattr(src, "q_norm") and hasattr(src, "k_norm"):
+            norm_kind, eps = _norm_kind(src.q_norm)
+            if norm_kind is not None:
+                cfg["qk_norm"], cfg["qk_norm_eps"] = norm_kind, eps
+                for n in ("q_norm", "k_norm"):
+                    sd.update({f"{n}.{k}": v.detach().clone() for k, v in getattr(src, n).state_dict().items()})
+        cfg.update(device=w_in.device, dtype=w_in.dtype)
+        return kind, cfg, sd
+    if hasattr(src, "qkv") and hasattr(src, "proj") and hasattr(src, "num_heads"):  # timm Attention
+        heads, hd = int(src.num_heads), int(src.head_dim)
+        dim = src.qkv.in_features
+        if heads * hd != dim or src.proj.out_features != dim:
+            raise ValueError(f"timm Attention with attn_dim {heads * hd} or dim_out {src.proj.out_features} "
+                             f"different from dim {dim} is not supported")
+        if getattr(src, "gate", None) is not None:
+            raise ValueError("timm Attention(gated=True) is not supported")
+        if not isinstance(getattr(src, "norm", nn.Identity()), nn.Identity):
+            raise ValueError("timm Attention(scale_norm=True) is not supported")
+        if not math.isclose(float(src.scale), hd ** -0.5, rel_tol=1e-12):
+            raise ValueError(f"timm Attention with scale {src.scale} != head_dim**-0.5 is not supported")
+        norm_kind, eps = _norm_kind(src.q_norm)
+        k_kind, _ = _norm_kind(src.k_norm)
+        if k_kind != norm_kind:
+            raise ValueError(f"q_norm ({norm_kind}) and k_norm ({k_kind}) must be the same kind")
+        cfg = dict(dim=dim, num_heads=heads, causal=False, qkv_bias=src.qkv.bias is not None,
+                   proj_bias=src.proj.bias is not None, attn_dropout=float(src.attn_drop.p),
+                   resid_dropout=float(src.proj_drop.p), naming="timm", qk_norm=norm_kind,
+                   device=src.qkv.weight.device, dtype=src.qkv.weight.dtype)
+        if norm_kind is not None:
+            cfg["qk_norm_eps"] = eps
+        sd = {k: v.detach().clone() for k, v in src.state_dict().items()}
+        return "timm", cfg, sd
+    raise TypeError(f"cannot convert {type(src).__name__}: expected nanoGPT CausalSelfAttention (c_attn, c_proj, "
+                    "n_head, n_embd), HF GPT2Attention or timm Attention (qkv, proj, num_heads)")
+
+
+class Attention(_SelfAttention):
+    """GPT-2 multi-head self-attention without QK-norm: exponents (1, 2), kept for comparison.
+
+    Args:
+        dim: model width.
+        num_heads: number of heads (must divide ``dim``).
+        causal: causal (GPT-2) or bidirectional (ViT, PatchTST) attention.
+        bias: biases of both projections (``qkv_bias`` / ``proj_bias`` override each).
+        qkv_bias: bias of the fused input projection (default: ``bias``).
+        proj_bias: bias of the output projection (default: ``bias``).
+        attn_dropout: dropout on the attention probabilities (training only).
+        resid_dropout: dropout on the output (training only).
+        scale: logit scale ``s`` (default ``head_dim ** -0.5``).
+        naming: ``"gpt2"`` (``c_attn``, ``c_proj``) or ``"timm"`` (``qkv``, ``proj``).
+        device, dtype: as for torch layers.
+    """
+
+    exponents: ClassVar[Exponents] = ATTENTION
+
+    def __init__(self, dim: int, num_heads: int, *, causal: bool = True, bias: bool = True,
+                 qkv_bias: Optional[bool] = None, proj_bias: Optional[bool] = None, attn_dropout: float = 0.0,
+                 resid_dropout: float = 0.0, scale: Optional[float] = None, naming: str = "gpt2",
+                 device=None, dtype=None) -> None:
+        super().__init__(dim, num_heads, causal=causal, bias=bias, qkv_bias=qkv_bias, proj_bias=proj_bias,
+                         qk_norm=None, attn_dropout=attn_dropout, resid_dropout=resid_dropout, scale=scale,
+                         naming=naming, device=device, dtype=dtype)
+
+    @classmethod
+    def from_module(cls, src: nn.Module, **overrides: Any) -> Attention:
+        """Build from nanoGPT ``CausalSelfAttention``, HF ``GPT2Attention`` or timm ``Attention`` (no QK-norm).
+
+        The converted block computes the same function (names are mapped, HF's transposed ``Conv1D``
+        weights are transposed back).  nanoGPT and HF sources get ``naming="gpt2"``, timm sources
+        ``naming="timm"`` and ``causal=False``; ``overrides`` replace constructor arguments.
+        """
+        return cls._from_module(src, False, **overrides)  # type: ignore[return-value]
+
+
+class QKNormAttention(_SelfAttention):
+    """GPT-2 multi-head self-attention with per-head QK-norm: exponents (1, 1), the certified attention.
+
+    Queries and keys of each head are normalized over the head dimension with a learnable scale
+    (``q_norm``, ``k_norm``); the block's input is not normalized.
+
+    Args:
+        dim: model width.
+        num_heads: number of heads (must divide ``dim``).
+        causal: causal (GPT-2) or bidirectional attention.
+        bias: biases of both projections (``qkv_bias`` / ``proj_bias`` override each).
+        qk_norm: ``"rms"`` (default), ``"l2"`` or ``"layer"`` (LayerNorm, for timm checkpoints using it).
+        qk_norm_eps: the normalizations' ``eps`` (> 0; the Jacobian coefficient grows like ``1/sqrt(eps)``).
+        attn_dropout: dropout on the attention probabilities (training only).
+        resid_dropout: dropout on the output (training only).
+        qkv_bias, proj_bias, scale, naming, device, dtype: as for :class:`Attention`.
+    """
+
+    exponents: ClassVar[Exponents] = QK_NORM_ATTENTION
+
+    def __init__(self, dim: int, num_heads: int, *, causal: bool = True, bias: bool = True, qk_norm: str = "rms",
+                 attn_dropout: float = 0.0, resid_dropout: float = 0.0, qk_norm_eps: float = 1e-6,
+                 qkv_bias: Optional[bool] = None, proj_bias: Optional[bool] = None, scale: Optional[float] = None,
+                 naming: str = "gpt2", device=None, dtype=None) -> None:
+        if qk_norm is None:
+            raise ValueError(f"qk_norm must be one of {_QK_NORMS}, got None (use Attention for no QK-norm)")
+        super().__init__(dim, num_heads, causal=causal, bias=bias, qkv_bias=qkv_bias, proj_bias=proj_bias,
+                         qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, attn_dropout=attn_dropout,
+                         resid_dropout=resid_dropout, scale=scale, naming=naming, device=device, dtype=dtype)
+
+    @classmethod
+    def from_module(cls, src: nn.Module, **overrides: Any) -> QKNormAttention:
+        """Build from nanoGPT ``CausalSelfAttention``, HF ``GPT2Attention`` or timm ``Attention``.
+
+        A source with QK-norm (timm ``qk_norm=True`` with an RMSNorm or LayerNorm) is copied exactly.  A
+        source without one gets fresh norms (``qk_norm`` override, default ``"rms"``, scales 1): the
+        projections are copied, and the block differs from the source by the normalization of queries
+        and keys -- the certified replacement.  ``overrides`` replace other constructor arguments.
+        """
+        return cls._from_module(src, True, **overrides)  # type: ignore[return-value]
