@@ -1477,8 +1477,11 @@ def _const_scalar(it, x: Any) -> Optional[float]:
     return None
 
 
-def _sum_of_squares(it, n: Any, a: Any) -> Optional[float]:
-    """If ``n`` is mean/sum over the last dim (keepdim) of a^2, return 1/d or 1 (the k in k |a|^2)."""
+def _sum_of_squares(it, n: Any, a: Any, any_dim: bool = False) -> Optional[float]:
+    """If ``n`` is mean/sum over the last dim (keepdim) of a^2, return 1/d or 1 (the k in k |a|^2).
+
+    With ``any_dim`` the reduction may run over any single dimension; :func:`_norm_dim` tells which.
+    """
     n = _strip(n)
     t = _target(n)
     if t not in ("aten.mean", "aten.sum"):
@@ -1496,9 +1499,25 @@ def _sum_of_squares(it, n: Any, a: Any) -> Optional[float]:
     nd = aval.dim()
     dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
     keep = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
-    if dims is None or [int(d) % nd for d in dims] != [nd - 1] or not keep:
+    if dims is None or len(dims) != 1 or not keep or (not any_dim and int(dims[0]) % nd != nd - 1):
         return None
-    return 1.0 / aval.shape[-1] if t == "aten.mean" else 1.0
+    return 1.0 / aval.shape[int(dims[0]) % nd] if t == "aten.mean" else 1.0
+
+
+def _norm_dim(it, den: Any, a: Any) -> Optional[int]:
+    """The dimension a recognized ``rsqrt(k |a|^2 + eps)`` denominator reduces over (None if not that form)."""
+    den = _strip(den)
+    if _target(den) != "aten.rsqrt":
+        return None
+    inner = _strip(den.args[0])
+    if _target(inner) != "aten.add":
+        return None
+    for s in inner.args[:2]:
+        s = _strip(s)
+        if isinstance(s, torch.fx.Node) and _sum_of_squares(it, s, a, any_dim=True) is not None:
+            dims = s.args[1] if len(s.args) > 1 else s.kwargs.get("dim")
+            return int(dims[0]) % it.g.env[_strip(a).name].dim()
+    return None
 
 
 def _var_of(it, n: Any, a: Any) -> Optional[float]:
@@ -1594,7 +1613,7 @@ def _denominator_k_eps(it, den: Any, a: Any, inverse: bool) -> Optional[Tuple[fl
         eps, s = _const_scalar(it, inner.args[0]), inner.args[1]
     if eps is None or eps <= 0:
         return None
-    k = _sum_of_squares(it, s, a)
+    k = _sum_of_squares(it, s, a, any_dim=inverse)
     if k is None:
         k = _var_of(it, s, a)
     if k is None:
@@ -1652,6 +1671,17 @@ def _recognize_norm(it, n: torch.fx.Node, shape) -> Optional[AValue]:
             out.J = None
             return out
         jac = (1.0 / SQRT(eps) if sqrt_form else 1.0 / eps) * cscale
+        nd = len(shape)
+        dim = _norm_dim(it, den, a) if inverse else None
+        if dim is not None and nd and dim != nd - 1:
+            # Normalized along dim (not the last): every entry is <= bound, a row (last dim) is
+            # <= sqrt(n_last) * bound; a perturbation's column along dim is <= sqrt(n_dim) times
+            # its row norm, and the column map is 1/sqrt(eps)-Lipschitz.
+            n_last, n_dim = shape[-1], shape[dim]
+            out = _norm_value(av, tuple(shape), bound * SQRT(n_last), jac * SQRT(n_dim * n_last),
+                              f"written out (x / ||x|| along dim {dim}, recognized)", deps=(_strip(a).name,))
+            out.M = Poly.const(bound)
+            return out
         out = _norm_value(av, tuple(shape), bound, jac, "written out (x / ||x|| form, recognized)",
                           deps=(_strip(a).name,))
         return out

@@ -272,3 +272,26 @@ def test_mamba_loop_coefficients_sound(soundness):
     c = _cert(m, MAMBA_SHAPE)
     assert c.coefficients_derived
     soundness(m, c.certificate, MAMBA_SHAPE, "loop mamba")
+
+
+class ChannelFirstNorm(nn.Module):
+    """A normalization over a non-last dimension (channels-first layout, as in a Mamba parameter branch)."""
+
+    def __init__(self, d: int = 8, eps: float = 1e-3) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.out = nn.Linear(d, d)
+        self.eps = eps
+
+    def forward(self, x):
+        h = self.fc(x).transpose(1, 2)  # (B, D, L)
+        h = h * torch.rsqrt(h.square().sum(1, keepdim=True) + self.eps)
+        return self.out(h.transpose(1, 2))
+
+
+def test_normalization_over_a_non_last_dim_is_recognized_and_sound(soundness):
+    m = ChannelFirstNorm().eval()
+    c = _cert(m)
+    assert c.exponents == Exponents(0, 0), c.explain()
+    assert c.coefficients_derived
+    soundness(m, c.certificate, SHAPE, "channel-first norm")
