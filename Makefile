@@ -22,6 +22,7 @@ $(STAMP): pyproject.toml Makefile
 
 demo: $(STAMP)
 	$(VENV)/bin/certblocks demo
+	$(VENV)/bin/certblocks certify
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST)

@@ -25,6 +25,8 @@ _LAZY = {
     "PatchTSTBlock": ("certblocks.blocks", "PatchTSTBlock"),
     "LinearGrowthMamba": ("certblocks.blocks", "LinearGrowthMamba"),
     "Mamba": ("certblocks.blocks", "Mamba"),
+    "convert": ("certblocks.convert", "convert"),
+    "ConversionReport": ("certblocks.convert", "ConversionReport"),
 }
 
 
@@ -52,6 +54,8 @@ __all__ = [
     "PatchTSTBlock",
     "QKNormAttention",
     "certify",
+    "convert",
+    "ConversionReport",
     "register_atom",
     "BlockCertificate",
     "CertificationError",

@@ -8,7 +8,9 @@ Commands:
   (``--markdown`` for the README, ``--update-readme PATH`` to rewrite its table).
 * ``certblocks demo``: the certificate tables ``make demo`` prints.
 * ``certblocks certify MODEL``: certify a model's residual updates from its graph
-  (``timm:<name>``, ``hf:gpt2``, ``module:pkg.mod:factory``; see :mod:`certblocks.trace.cli`).
+  (``timm:<name>``, ``hf:gpt2``, ``module:pkg.mod:factory``; see :mod:`certblocks.trace.cli`);
+  without MODEL, every zoo model (what ``make demo`` prints).
+* ``certblocks zoo`` and ``certblocks convert MODEL``: the zoo and the converters (:mod:`certblocks.zoo.cli`).
 """
 
 from __future__ import annotations
@@ -178,8 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_demo)
 
     from .trace.cli import add_certify_parser
+    from .zoo.cli import add_zoo_commands
 
     add_certify_parser(sub)
+    add_zoo_commands(sub)
     return parser
 
 

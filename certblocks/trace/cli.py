@@ -39,8 +39,12 @@ def add_certify_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Certify every residual update X + f(X) of MODEL from its graph and the depths it "
                     "reaches in a dtype. MODEL: timm:<name>, hf:gpt2, hf:mamba, module:pkg.mod:factory, "
                     "or a zoo name.")
-    p.add_argument("model", help="timm:<name> | hf:gpt2 | hf:mamba | module:pkg.mod:factory | zoo name")
-    p.add_argument("--dtype", default="bf16", help="fp16, bf16, fp32, fp64, fp8_e4m3, fp8_e5m2 (default bf16)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="timm:<name> | hf:gpt2 | hf:mamba | module:pkg.mod:factory | zoo name; "
+                        "without MODEL, every zoo model is certified (fp16, bf16, fp32)")
+    p.add_argument("--dtype", default=None,
+                   help="fp16, bf16, fp32, fp64, fp8_e4m3, fp8_e5m2 (default bf16; comma-separated list "
+                        "without MODEL, default fp16,bf16,fp32)")
     p.add_argument("--r0", type=float, default=1.0, help="bound on the input norm ||X_0|| (default 1)")
     p.add_argument("--dt", type=float, default=1.0, help="residual step size (default 1)")
     p.add_argument("--seq-len", type=int, default=8, help="sequence length of the example input (default 8)")
@@ -161,6 +165,18 @@ def run_certify(args: argparse.Namespace) -> int:
     from .report import ModelCertificate
 
     out = sys.stdout
+    if args.model is None:
+        from ..budget import dtype_name
+        from ..zoo.cli import run_certify_zoo
+
+        try:
+            dtypes = [dtype_name(d) for d in (args.dtype or "fp16,bf16,fp32").split(",") if d.strip()]
+        except ValueError as exc:
+            print(f"certblocks certify: error: {exc}", file=sys.stderr)
+            return 2
+        return run_certify_zoo(dtypes)
+    if args.dtype is None:
+        args.dtype = "bf16"
     try:
         model, example = load_model(args.model, args.seq_len)
     except ModelSpecError as exc:

@@ -1,0 +1,172 @@
+"""``ZooModel``: the certificate and the refusal at construction shared by every zoo model.
+
+A zoo model is a residual network ``X_{k+1} = X_k + v_k(X_k)`` (step ``dt = 1``) between an
+input embedding and a head.  It lists its residual velocities in depth order
+(:meth:`ZooModel.residual_updates`, names = module paths), and
+
+* :meth:`ZooModel.certificate` gives the :class:`~certblocks.StackCertificate` of that stack
+  from the blocks' own certificates (current weights, dropout inactive);
+* the constructor ends with :meth:`ZooModel._certify_or_refuse`: unless ``certify=False``, a
+  configuration that is not certified at its depth for ``cert_dtype`` raises
+  :class:`~certblocks.CertificationError`.
+
+Defaults used for certification (each family documents its own ``r0`` and ``seq_len``):
+
+* ``cert_dtype = "bf16"``: the dtype these models are trained in with mixed precision (its
+  range equals fp32's to 0.4%; fp16 is much stricter and is reported by the CLI).
+* ``r0``: a sound bound on the per-token norm of the state entering the first update, computed
+  from the embedding weights (:meth:`ZooModel.input_radius`).
+* ``seq_len``: the model's maximal sequence length of residual-stream tokens.
+* ``dt = 1``, ``lip_g = 1``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, List, Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+from certblocks.budget import dtype_name
+from certblocks.certificate import BlockCertificate, StackCertificate, certify_stack
+from certblocks.stack import CertificationError, block_certificate
+
+__all__ = ["ZooModel", "DEFAULT_CERT_DTYPE", "renamed"]
+
+#: Certification dtype used at construction when none is given.
+DEFAULT_CERT_DTYPE = "bf16"
+
+
+def renamed(cert: BlockCertificate, name: str) -> BlockCertificate:
+    """``cert`` with ``name`` as its label."""
+    return BlockCertificate(cert.q, cert.sigma, c=cert.c, b=cert.b, l1=cert.l1, l0=cert.l0, name=name,
+                            culprit=cert.culprit, fix=cert.fix)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def check_int(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
+    return value
+
+
+def check_prob(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) < 1.0:
+        raise ValueError(f"{name} must be a probability in [0, 1), got {value!r}")
+    return float(value)
+
+
+def row_norm_max(w: torch.Tensor) -> float:
+    """Largest Euclidean row norm of ``w`` (float64, rounded up by a relative 1e-12)."""
+    w = w.detach().to("cpu", torch.float64)
+    if w.numel() == 0:
+        return 0.0
+    return float(w.reshape(w.shape[0], -1).norm(dim=1).max()) * (1 + 1e-12)
+
+
+def spectral_norm(w: torch.Tensor) -> float:
+    """``||w||_2`` in float64 (rounded up by a relative 1e-10)."""
+    w = w.detach().to("cpu", torch.float64)
+    if w.numel() == 0:
+        return 0.0
+    return float(torch.linalg.matrix_norm(w.reshape(w.shape[0], -1), ord=2)) * (1 + 1e-10)
+
+
+def vec_norm(v: Optional[torch.Tensor]) -> float:
+    if v is None:
+        return 0.0
+    return float(v.detach().to("cpu", torch.float64).norm()) * (1 + 1e-12)
+
+
+@contextlib.contextmanager
+def single_thread() -> Iterator[None]:
+    """Run the certificate's small float64 linear algebra on one thread.
+
+    On a busy machine multi-threaded LAPACK calls on these small matrices were measured 20-300x
+    slower than single-threaded ones (0.1 s against 2-35 s for the same certificate).
+    """
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+class ZooModel(nn.Module):
+    """Base class of the zoo's models (see the module docstring).
+
+    Subclasses set ``self.cert_dtype`` and call :meth:`_certify_or_refuse` at the end of
+    ``__init__``, and implement :meth:`residual_updates`, :meth:`input_radius` and
+    :meth:`certificate_seq_len`.
+    """
+
+    cert_dtype: str = DEFAULT_CERT_DTYPE
+
+    # -- to implement --------------------------------------------------------------------------------------
+    def residual_updates(self) -> List[Tuple[str, nn.Module]]:
+        """``(module path, velocity)`` of each residual update, in depth order."""
+        raise NotImplementedError
+
+    def input_radius(self) -> float:
+        """A sound bound ``r0`` on the per-token norm of the state entering the first update."""
+        raise NotImplementedError
+
+    def certificate_seq_len(self) -> int:
+        """The number of residual-stream tokens the certificate is for (the longest input)."""
+        raise NotImplementedError
+
+    # -- certificate ---------------------------------------------------------------------------------------
+    def update_certificates(self, *, seq_len: Optional[int] = None) -> List[BlockCertificate]:
+        """One :class:`BlockCertificate` per residual update, named by module path, in depth order."""
+        n = self.certificate_seq_len() if seq_len is None else check_int("seq_len", seq_len)
+        # cache keyed on the parameters' identities and versions (an optimizer step bumps the versions)
+        key = (n, tuple((id(p), p._version, p.dtype, p.device) for p in self.parameters()),
+               tuple((id(b), b._version) for b in self.buffers()))
+        cached = self.__dict__.get("_cert_cache")
+        if cached is not None and cached[0] == key:
+            return list(cached[1])
+        with single_thread():
+            certs = [renamed(block_certificate(m, seq_len=n), name) for name, m in self.residual_updates()]
+        self.__dict__["_cert_cache"] = (key, tuple(certs))
+        return certs
+
+    def certificate(self, dtype: Union[str, torch.dtype, None] = None, *, r0: Optional[float] = None,
+                    seq_len: Optional[int] = None, dt: float = 1.0, lip_g: float = 1.0) -> StackCertificate:
+        """The certificate of the model's residual stack from its current weights.
+
+        Args:
+            dtype: the dtype (default: the model's ``cert_dtype``).
+            r0: bound on the per-token norm of the first update's input (default:
+                :meth:`input_radius`, computed from the embedding weights).
+            seq_len: sequence length of the residual stream (default: :meth:`certificate_seq_len`).
+            dt: residual step (the zoo's models add ``v`` with step 1).
+            lip_g: Lipschitz constant of the loss head in the state.
+        """
+        r = self.input_radius() if r0 is None else float(r0)
+        return certify_stack(self.update_certificates(seq_len=seq_len), dtype or self.cert_dtype, dt=dt, r0=r,
+                             lip_g=lip_g)
+
+    def _certify_or_refuse(self, certify: bool, cert_dtype: Union[str, torch.dtype, None]) -> None:
+        """Set ``cert_dtype``; when ``certify``, raise :class:`CertificationError` if the model is not certified."""
+        check_bool("certify", certify)
+        self.cert_dtype = dtype_name(cert_dtype if cert_dtype is not None else DEFAULT_CERT_DTYPE)
+        if not certify:
+            return
+        cert = self.certificate()
+        if not cert.ok:
+            f = cert.first_failure
+            assert f is not None
+            raise CertificationError(
+                f"{type(self).__name__} with {cert.depth} residual updates is not certified in {cert.dtype} "
+                f"(r0 = {cert.r0:.4g}, seq_len = {self.certificate_seq_len()}): certified depth "
+                f"{cert.certified_depth} of {cert.depth}; {f.reason}. Fix: {f.fix}. "
+                "Build it with certify=False to get it anyway (its .certificate() still tells).", cert)

@@ -1,0 +1,276 @@
+"""``gpt2_qknorm``: a nanoGPT-compatible GPT-2 with no LayerNorm in its residual updates.
+
+Each of the ``n_layer`` blocks is two residual updates (D = 2 n_layer)::
+
+    x = x + attn(x)     # QKNormAttention: causal, per-head RMS QK-norm, exponents (1, 1)
+    x = x + mlp(x)      # MLP(GELU), exponents (1, 0)
+
+The input of the updates is NOT normalized (no ``ln_1``/``ln_2``); the final ``ln_f`` before
+the tied ``lm_head`` is kept (it is part of the head, not of a residual update).  The
+configuration follows nanoGPT's ``GPTConfig`` (``n_layer, n_head, n_embd, block_size,
+vocab_size, bias, dropout``) and so do the module names (``transformer.wte``, ``.wpe``,
+``.h.{i}.attn.c_attn``, ``.attn.c_proj``, ``.ln_f``, ``lm_head``), except the MLP's layers,
+``mlp.fc1`` / ``mlp.fc2`` (nanoGPT's ``c_fc`` / ``c_proj``, mapped by
+:meth:`GPT2QKNorm.load_gpt2_state_dict`).
+
+Pretrained GPT-2 weights: :meth:`GPT2QKNorm.load_gpt2_state_dict` takes a nanoGPT or HF
+``GPT2LMHeadModel`` state_dict (HF's ``Conv1D`` weights are transposed), drops the residual
+LayerNorms ``ln_1``/``ln_2`` and reports them, and initializes the QK-norm scales
+``q_norm.weight``/``k_norm.weight`` to ``qk_scale_init`` (default **1.0**: each normalized
+query and key has RMS 1, so a head's logits are at most ``sqrt(head_dim)`` in absolute value).
+HF GPT-2 uses the tanh GELU: build with ``act="gelu_tanh"`` to reproduce its MLP exactly.
+
+Certificate defaults: ``r0 = max_i ||wte_i|| + max_j ||wpe_j||`` (every token of the embedded
+input has at most that norm, dropout inactive), ``seq_len = block_size``, ``cert_dtype = "bf16"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from certblocks.blocks.attention import QKNormAttention
+from certblocks.blocks.mlp import MLP
+
+from ._base import ZooModel, check_bool, check_int, check_prob, row_norm_max
+from ._registry import register_model
+
+__all__ = ["GPT2QKNorm", "GPT2LoadReport"]
+
+_QK_EPS = 1e-6
+
+
+class GPT2QKNormBlock(nn.Module):
+    """One GPT-2 block without LayerNorm: ``x + attn(x)`` then ``+ mlp(x)``."""
+
+    def __init__(self, n_embd: int, n_head: int, *, bias: bool, dropout: float, act: str, qk_norm: str,
+                 qk_norm_eps: float, device=None, dtype=None) -> None:
+        super().__init__()
+        dd = {"device": device, "dtype": dtype}
+        self.attn = QKNormAttention(n_embd, n_head, causal=True, bias=bias, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,
+                                    attn_dropout=dropout, resid_dropout=dropout, **dd)
+        self.mlp = MLP(n_embd, 4 * n_embd, act, bias=bias, dropout=dropout, **dd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C)
+        x = x + self.attn(x)
+        return x + self.mlp(x)
+
+
+@dataclass
+class GPT2LoadReport:
+    """What :meth:`GPT2QKNorm.load_gpt2_state_dict` did.
+
+    Attributes:
+        source: ``"nanogpt"`` or ``"hf"``.
+        loaded: the model's keys filled from the checkpoint.
+        dropped: checkpoint keys not used (the residual LayerNorms ``ln_1``/``ln_2``, attention masks).
+        initialized: the model's keys not in the checkpoint and set to their documented value
+            (the QK-norm scales, ``qk_scale_init``).
+    """
+
+    source: str
+    loaded: List[str] = field(default_factory=list)
+    dropped: List[str] = field(default_factory=list)
+    initialized: List[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return (f"GPT-2 {self.source} checkpoint: {len(self.loaded)} tensors loaded, {len(self.dropped)} dropped "
+                f"({', '.join(sorted({k.split('.')[-2] for k in self.dropped if '.' in k})) or '-'}), "
+                f"{len(self.initialized)} initialized (QK-norm scales)")
+
+
+class GPT2QKNorm(ZooModel):
+    """GPT-2 without LayerNorm in its residual updates, QK-normalized attention and a GELU MLP.
+
+    Args:
+        n_layer: number of blocks (2 residual updates each).
+        n_head: attention heads.
+        n_embd: width.
+        block_size: longest sequence (learned positions).
+        vocab_size: vocabulary (nanoGPT pads GPT-2's 50257 to 50304).
+        bias: biases in the linear layers (nanoGPT's ``bias``).
+        dropout: attention, residual and MLP dropout (training only; certificates are for eval).
+        act: MLP activation, ``"gelu"`` (nanoGPT) or ``"gelu_tanh"`` (HF GPT-2).
+        qk_norm: ``"rms"`` (default), ``"l2"`` or ``"layer"``.
+        qk_norm_eps: the QK-norm's ``eps``.
+        certify: refuse (``CertificationError``) a configuration not certified in ``cert_dtype``.
+        cert_dtype: the certification dtype (default ``"bf16"``).
+        device, dtype: as for torch layers.
+    """
+
+    def __init__(self, n_layer: int = 12, n_head: int = 12, n_embd: int = 768, block_size: int = 1024,
+                 vocab_size: int = 50304, bias: bool = True, dropout: float = 0.0, *, act: str = "gelu",
+                 qk_norm: str = "rms", qk_norm_eps: float = _QK_EPS, certify: bool = True,
+                 cert_dtype: Any = None, device=None, dtype=None) -> None:
+        super().__init__()
+        self.n_layer = check_int("n_layer", n_layer)
+        self.n_head = check_int("n_head", n_head)
+        self.n_embd = check_int("n_embd", n_embd)
+        self.block_size = check_int("block_size", block_size)
+        self.vocab_size = check_int("vocab_size", vocab_size)
+        check_bool("bias", bias)
+        dropout = check_prob("dropout", dropout)
+        if n_embd % n_head:
+            raise ValueError(f"n_head={n_head} must divide n_embd={n_embd}")
+        dd = {"device": device, "dtype": dtype}
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab_size, n_embd, **dd),
+            wpe=nn.Embedding(block_size, n_embd, **dd),
+            drop=nn.Dropout(dropout),
+            h=nn.ModuleList([GPT2QKNormBlock(n_embd, n_head, bias=bias, dropout=dropout, act=act, qk_norm=qk_norm,
+                                             qk_norm_eps=qk_norm_eps, **dd) for _ in range(n_layer)]),
+            ln_f=nn.LayerNorm(n_embd, bias=bias, **dd),
+        ))
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False, **dd)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as nanoGPT
+        self._init_weights()
+        self._certify_or_refuse(certify, cert_dtype)
+
+    def _init_weights(self) -> None:
+        """nanoGPT's initialization: N(0, 0.02), residual projections N(0, 0.02 / sqrt(2 n_layer)), QK scales 1."""
+        std_proj = 0.02 / (2 * self.n_layer) ** 0.5
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")) or ".ln_f." in f".{name}":
+                    continue
+                if name.endswith("bias"):
+                    p.zero_()
+                elif name.endswith(("attn.c_proj.weight", "mlp.fc2.weight")):
+                    p.normal_(0.0, std_proj)
+                else:
+                    p.normal_(0.0, 0.02)
+
+    # -- ZooModel ------------------------------------------------------------------------------------------
+    def residual_updates(self) -> List[Tuple[str, nn.Module]]:
+        out: List[Tuple[str, nn.Module]] = []
+        for i, blk in enumerate(self.transformer.h):
+            out += [(f"transformer.h.{i}.attn", blk.attn), (f"transformer.h.{i}.mlp", blk.mlp)]
+        return out
+
+    def input_radius(self) -> float:
+        """``max_i ||wte_i|| + max_j ||wpe_j||``: bound on every embedded token's norm."""
+        return row_norm_max(self.transformer.wte.weight) + row_norm_max(self.transformer.wpe.weight)
+
+    def certificate_seq_len(self) -> int:
+        return self.block_size
+
+    # -- forward -------------------------------------------------------------------------------------------
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None
+                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``idx (B, T) -> (logits (B, T, vocab), loss or None)``, as nanoGPT (logits at every position)."""
+        if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int32, torch.int64) or idx.ndim != 2:
+            raise TypeError(f"idx must be an integer tensor of shape (batch, seq_len), got "
+                            f"{getattr(idx, 'dtype', type(idx).__name__)} {tuple(getattr(idx, 'shape', ()))}")
+        t = idx.shape[1]
+        if t > self.block_size:
+            raise ValueError(f"sequence length {t} exceeds block_size={self.block_size}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        for blk in self.transformer.h:
+            x = blk(x)
+        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+    # -- pretrained checkpoints ----------------------------------------------------------------------------
+    def load_gpt2_state_dict(self, state_dict: Mapping[str, torch.Tensor], *, qk_scale_init: float = 1.0
+                             ) -> GPT2LoadReport:
+        """Load a nanoGPT ``GPT`` or HF ``GPT2LMHeadModel`` / ``GPT2Model`` state_dict.
+
+        The residual LayerNorms (``ln_1``, ``ln_2``) have no place in this model: their weights are
+        dropped and listed in the report; the QK-norm scales, absent from GPT-2 checkpoints, are set to
+        ``qk_scale_init`` (default 1.0).  HF ``Conv1D`` weights (``(in, out)``) are transposed.  The
+        vocabulary and block size of the checkpoint must match the model's (build it with the
+        checkpoint's ``vocab_size``, e.g. 50257 for HF GPT-2).
+
+        Raises:
+            ValueError: a needed tensor is missing or has the wrong shape.
+        """
+        sd = dict(state_dict)
+        # HF Conv1D c_attn.weight is (C, 3C); nanoGPT's nn.Linear is (3C, C)
+        key = next((k for k in sd if k.endswith("h.0.attn.c_attn.weight")), None)
+        if key is None:
+            raise ValueError("state_dict has no '...h.0.attn.c_attn.weight': not a GPT-2 checkpoint")
+        hf = tuple(sd[key].shape) == (self.n_embd, 3 * self.n_embd) and self.n_embd != 3 * self.n_embd
+        prefix = "transformer." if any(k.startswith("transformer.") for k in sd) else ""
+        report = GPT2LoadReport("hf" if hf else "nanogpt")
+        new: Dict[str, torch.Tensor] = {}
+        used = set()
+
+        def take(src: str, dst: str, transpose: bool = False) -> None:
+            k = prefix + src
+            if k not in sd:
+                raise ValueError(f"checkpoint lacks {k!r} (needed for {dst!r})")
+            t = sd[k].detach()
+            if transpose:
+                t = t.T
+            new[dst] = t
+            used.add(k)
+
+        take("wte.weight", "transformer.wte.weight")
+        take("wpe.weight", "transformer.wpe.weight")
+        take("ln_f.weight", "transformer.ln_f.weight")
+        if self.transformer.ln_f.bias is not None:
+            take("ln_f.bias", "transformer.ln_f.bias")
+        names = (("attn.c_attn", "attn.c_attn"), ("attn.c_proj", "attn.c_proj"), ("mlp.c_fc", "mlp.fc1"),
+                 ("mlp.c_proj", "mlp.fc2"))
+        for i in range(self.n_layer):
+            for src, dst in names:
+                take(f"h.{i}.{src}.weight", f"transformer.h.{i}.{dst}.weight", transpose=hf)
+                if getattr(self.transformer.h[i].get_submodule(dst), "bias", None) is not None:
+                    take(f"h.{i}.{src}.bias", f"transformer.h.{i}.{dst}.bias")
+        own = self.state_dict()
+        for k, v in own.items():
+            if k not in new and k.endswith(("q_norm.weight", "k_norm.weight")):
+                new[k] = torch.full_like(v, float(qk_scale_init))
+                report.initialized.append(k)
+            elif k not in new and k.endswith(("q_norm.bias", "k_norm.bias")):
+                new[k] = torch.zeros_like(v)
+                report.initialized.append(k)
+        if "lm_head.weight" not in new:
+            new["lm_head.weight"] = new["transformer.wte.weight"]
+        used.add("lm_head.weight")
+        for k, v in new.items():
+            if k in own and tuple(own[k].shape) != tuple(v.shape):
+                raise ValueError(f"{k}: checkpoint shape {tuple(v.shape)} does not match the model's "
+                                 f"{tuple(own[k].shape)} (check n_layer, n_embd, vocab_size, block_size)")
+        self.load_state_dict(new, strict=True)
+        report.loaded = sorted(k for k in new if k not in report.initialized)
+        report.dropped = sorted(k for k in sd if k not in used)
+        return report
+
+
+def _gpt2(size: Tuple[int, int, int, int, int], overrides: Dict[str, Any]) -> GPT2QKNorm:
+    cfg: Dict[str, Any] = dict(zip(("n_layer", "n_head", "n_embd", "block_size", "vocab_size"), size))
+    cfg.update(overrides)
+    return GPT2QKNorm(**cfg)
+
+
+@register_model(family="gpt2_qknorm", test=True)
+def gpt2_qknorm_test(**overrides: Any) -> GPT2QKNorm:
+    """GPT-2 QK-norm, no LN in the updates: test size (2 layers, 2 heads, width 32, 16 tokens, vocab 64)."""
+    return _gpt2((2, 2, 32, 16, 64), overrides)
+
+
+@register_model(family="gpt2_qknorm")
+def gpt2_qknorm_tiny(**overrides: Any) -> GPT2QKNorm:
+    """GPT-2 QK-norm, no LN in the updates: tiny (4 layers, 4 heads, width 128, 256 tokens, vocab 50304)."""
+    return _gpt2((4, 4, 128, 256, 50304), overrides)
+
+
+@register_model(family="gpt2_qknorm")
+def gpt2_qknorm_mini(**overrides: Any) -> GPT2QKNorm:
+    """GPT-2 QK-norm, no LN in the updates: nanoGPT's shakespeare-char size (6 layers, 6 heads, width 384)."""
+    return _gpt2((6, 6, 384, 256, 50304), overrides)
+
+
+@register_model(family="gpt2_qknorm")
+def gpt2_qknorm_124m(**overrides: Any) -> GPT2QKNorm:
+    """GPT-2 QK-norm, no LN in the updates: GPT-2 small, 124M (12 layers, 12 heads, width 768, 1024 tokens)."""
+    return _gpt2((12, 12, 768, 1024, 50304), overrides)

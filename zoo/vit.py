@@ -1,0 +1,157 @@
+"""timm registration: ``certblocks_vit_{tiny,small,base}_patch16_224``.
+
+Importing :mod:`certblocks.zoo` (with timm installed) registers three models through timm's own
+``register_model`` / ``generate_default_cfgs``, so that::
+
+    import certblocks.zoo, timm
+    m = timm.create_model("certblocks_vit_small_patch16_224", num_classes=10)
+
+works with timm's conventions (``pretrained_cfg``, ``num_classes``, ``forward_features``,
+``forward_head``, ``reset_classifier``).  They are ViT-Ti/S/B (patch 16, 224 px) whose blocks are
+:class:`CertifiedViTBlock`: no LayerNorm in the residual updates, QK-normalized bidirectional
+attention (timm names ``qkv``, ``q_norm``, ``k_norm``, ``proj``; (1, 1)) and MLP(GELU) (``fc1``,
+``fc2``; (1, 0)).  The final ``norm`` before the head is kept (it is part of the head).  No weights
+are downloaded: the pretrained config has no URL (``pretrained=True`` raises in timm).
+
+Certificate defaults: ``r0`` bounds every token after the patch embedding and positions for
+pixels in ``[0, 1]`` normalized with the config's mean and std; ``seq_len`` = 197 tokens;
+``cert_dtype = "bf16"``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, List, Optional, Tuple
+
+import torch
+from timm.layers import DropPath
+from timm.models import VisionTransformer, build_model_with_cfg, generate_default_cfgs, register_model
+from torch import nn
+
+from certblocks.blocks.attention import QKNormAttention
+from certblocks.blocks.mlp import MLP, _act_name
+
+from ._base import ZooModel, row_norm_max, spectral_norm, vec_norm
+from ._registry import register_model as zoo_register
+
+__all__ = ["CertifiedViTBlock", "CertifiedVisionTransformer"]
+
+
+class CertifiedViTBlock(nn.Module):
+    """A ViT block without LayerNorm in its updates: ``x + attn(x)`` then ``x + mlp(x)``.
+
+    Accepts timm ``Block``'s constructor arguments (``norm_layer``, ``mlp_layer``, ``attn_layer``,
+    ``qk_norm``, ``init_values`` and the scale-norm flags are ignored: there is no norm in the
+    updates and the attention always normalizes queries and keys).
+    """
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = False,
+                 proj_bias: bool = True, proj_drop: float = 0.0, attn_drop: float = 0.0, drop_path: float = 0.0,
+                 act_layer: Any = nn.GELU, device=None, dtype=None, **_ignored: Any) -> None:
+        super().__init__()
+        dd = {"device": device, "dtype": dtype}
+        self.attn = QKNormAttention(dim, num_heads, causal=False, qkv_bias=bool(qkv_bias), proj_bias=bool(proj_bias),
+                                    attn_dropout=attn_drop, resid_dropout=proj_drop, naming="timm", **dd)
+        act = _act_name(act_layer() if isinstance(act_layer, type) else act_layer)
+        self.mlp = MLP(dim, int(dim * mlp_ratio), act, bias=bool(proj_bias), dropout=proj_drop, **dd)
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False
+                ) -> torch.Tensor:
+        if is_causal:
+            raise ValueError("CertifiedViTBlock is bidirectional; is_causal=True is not supported")
+        x = x + self.drop_path1(self.attn(x, attn_mask=attn_mask) if attn_mask is not None else self.attn(x))
+        return x + self.drop_path2(self.mlp(x))
+
+
+class CertifiedVisionTransformer(VisionTransformer, ZooModel):
+    """timm ``VisionTransformer`` built from :class:`CertifiedViTBlock`, with a certificate.
+
+    Args:
+        certify: refuse a configuration not certified in ``cert_dtype``.
+        cert_dtype: certification dtype (default ``"bf16"``).
+        *args, **kwargs: timm ``VisionTransformer``'s.
+    """
+
+    def __init__(self, *args: Any, certify: bool = True, cert_dtype: Any = None, **kwargs: Any) -> None:
+        kwargs["block_fn"] = CertifiedViTBlock
+        super().__init__(*args, **kwargs)
+        self._certify_or_refuse(certify, cert_dtype)
+
+    def residual_updates(self) -> List[Tuple[str, nn.Module]]:
+        out: List[Tuple[str, nn.Module]] = []
+        for i, blk in enumerate(self.blocks):
+            out += [(f"blocks.{i}.attn", blk.attn), (f"blocks.{i}.mlp", blk.mlp)]
+        return out
+
+    def input_radius(self) -> float:
+        cfg = getattr(self, "pretrained_cfg", None) or {}
+        mean, std = cfg.get("mean", (0.5, 0.5, 0.5)), cfg.get("std", (0.5, 0.5, 0.5))
+        pix = max(max(abs(m) / s, abs(1 - m) / s) for m, s in zip(mean, std))
+        w = self.patch_embed.proj.weight
+        patch = pix * math.sqrt(w[0].numel())
+        tok = spectral_norm(w.reshape(w.shape[0], -1)) * patch + vec_norm(self.patch_embed.proj.bias)
+        pos = row_norm_max(self.pos_embed[0]) if self.pos_embed is not None else 0.0
+        r = tok + pos
+        if self.cls_token is not None:
+            r = max(r, vec_norm(self.cls_token.reshape(-1)) + pos)
+        if getattr(self, "reg_token", None) is not None:
+            r = max(r, row_norm_max(self.reg_token[0]) + pos)
+        return r
+
+    def certificate_seq_len(self) -> int:
+        return int(self.patch_embed.num_patches) + int(self.num_prefix_tokens)
+
+
+def _cfg(**kwargs: Any) -> dict:
+    return {"url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": None, "crop_pct": 0.9,
+            "interpolation": "bicubic", "fixed_input_size": True, "mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5),
+            "first_conv": "patch_embed.proj", "classifier": "head", "license": "apache-2.0", **kwargs}
+
+
+default_cfgs = generate_default_cfgs({
+    "certblocks_vit_tiny_patch16_224.untrained": _cfg(),
+    "certblocks_vit_small_patch16_224.untrained": _cfg(),
+    "certblocks_vit_base_patch16_224.untrained": _cfg(),
+})
+
+
+def _create(variant: str, pretrained: bool, **kwargs: Any) -> CertifiedVisionTransformer:
+    if pretrained:
+        raise ValueError(f"{variant} has no pretrained weights (certblocks downloads nothing); build it with "
+                         "pretrained=False and load a checkpoint yourself, or convert a timm ViT with "
+                         "certblocks.convert")
+    return build_model_with_cfg(CertifiedVisionTransformer, variant, pretrained, **kwargs)
+
+
+@register_model
+def certblocks_vit_tiny_patch16_224(pretrained: bool = False, **kwargs: Any) -> CertifiedVisionTransformer:
+    """ViT-Ti/16 without LayerNorm in its updates, QK-norm attention (certblocks)."""
+    args = dict(patch_size=16, embed_dim=192, depth=12, num_heads=3)
+    return _create("certblocks_vit_tiny_patch16_224", pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def certblocks_vit_small_patch16_224(pretrained: bool = False, **kwargs: Any) -> CertifiedVisionTransformer:
+    """ViT-S/16 without LayerNorm in its updates, QK-norm attention (certblocks)."""
+    args = dict(patch_size=16, embed_dim=384, depth=12, num_heads=6)
+    return _create("certblocks_vit_small_patch16_224", pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def certblocks_vit_base_patch16_224(pretrained: bool = False, **kwargs: Any) -> CertifiedVisionTransformer:
+    """ViT-B/16 without LayerNorm in its updates, QK-norm attention (certblocks)."""
+    args = dict(patch_size=16, embed_dim=768, depth=12, num_heads=12)
+    return _create("certblocks_vit_base_patch16_224", pretrained, **dict(args, **kwargs))
+
+
+for _fn in (certblocks_vit_tiny_patch16_224, certblocks_vit_small_patch16_224, certblocks_vit_base_patch16_224):
+    zoo_register(_fn, family="vit")
+
+
+@zoo_register(family="vit", test=True)
+def certblocks_vit_test(**overrides: Any) -> CertifiedVisionTransformer:
+    """Certified ViT, test size (32 px, patch 8, width 32, 2 blocks, 2 heads, 10 classes)."""
+    args = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=10)
+    return _create("certblocks_vit_tiny_patch16_224", False, **dict(args, **overrides))
