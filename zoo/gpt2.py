@@ -155,6 +155,11 @@ class GPT2QKNorm(ZooModel):
         """``max_i ||wte_i|| + max_j ||wpe_j||``: bound on every embedded token's norm."""
         return row_norm_max(self.transformer.wte.weight) + row_norm_max(self.transformer.wpe.weight)
 
+    def example_input(self, seq_len: Optional[int] = None) -> torch.Tensor:
+        """Random token ids ``(1, seq_len)`` (default ``block_size``), for tracing and smoke tests."""
+        n = self.block_size if seq_len is None else min(check_int("seq_len", seq_len), self.block_size)
+        return torch.randint(0, self.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+
     def certificate_seq_len(self) -> int:
         return self.block_size
 

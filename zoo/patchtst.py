@@ -92,6 +92,10 @@ class PatchTSTForecaster(ZooModel):
             raise ValueError("without RevIN the input radius depends on the data: pass r0= to certificate()")
         return self.patch.radius(*self.revin.affine_bounds())
 
+    def example_input(self, seq_len: Optional[int] = None) -> torch.Tensor:
+        """A random series ``(1, seq_len, n_vars)``; the look-back window is fixed, so ``seq_len`` is ignored."""
+        return torch.randn(1, self.seq_len, self.n_vars, generator=torch.Generator().manual_seed(0))
+
     def certificate_seq_len(self) -> int:
         return self.patch.num_patches
 

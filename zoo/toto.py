@@ -129,6 +129,10 @@ class TotoStyle(ZooModel):
     def input_radius(self) -> float:
         return spectral_norm(self.embed.weight) * math.sqrt(self.context) + vec_norm(self.embed.bias)
 
+    def example_input(self, seq_len: Optional[int] = None) -> torch.Tensor:
+        """A random context ``(1, 3, context)`` (three variates); ``seq_len`` is ignored (fixed context)."""
+        return torch.randn(1, 3, self.context, generator=torch.Generator().manual_seed(0))
+
     def certificate_seq_len(self) -> int:
         return self.context // self.patch_len
 

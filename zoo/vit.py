@@ -100,6 +100,13 @@ class CertifiedVisionTransformer(VisionTransformer, ZooModel):
             r = max(r, row_norm_max(self.reg_token[0]) + pos)
         return r
 
+    def example_input(self, seq_len: Optional[int] = None) -> torch.Tensor:
+        """A random image ``(1, C, H, W)`` of the model's input size; ``seq_len`` is ignored."""
+        img = self.patch_embed.img_size
+        h, w = (img, img) if isinstance(img, int) else tuple(img)
+        c = self.patch_embed.proj.in_channels
+        return torch.randn(1, c, h, w, generator=torch.Generator().manual_seed(0))
+
     def certificate_seq_len(self) -> int:
         return int(self.patch_embed.num_patches) + int(self.num_prefix_tokens)
 

@@ -45,7 +45,8 @@ def add_certify_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None,
                    help="fp16, bf16, fp32, fp64, fp8_e4m3, fp8_e5m2 (default bf16; comma-separated list "
                         "without MODEL, default fp16,bf16,fp32)")
-    p.add_argument("--r0", type=float, default=1.0, help="bound on the input norm ||X_0|| (default 1)")
+    p.add_argument("--r0", type=float, default=None,
+                   help="bound on the input norm ||X_0|| (default: a zoo model's input_radius(), else 1)")
     p.add_argument("--dt", type=float, default=1.0, help="residual step size (default 1)")
     p.add_argument("--seq-len", type=int, default=8, help="sequence length of the example input (default 8)")
     p.add_argument("--residual", default="auto",
@@ -197,7 +198,11 @@ def run_certify(args: argparse.Namespace) -> int:
         return 2
     updates = cert if isinstance(cert, ModelCertificate) else ModelCertificate([cert], type(model).__name__)
     try:
-        stack = updates.stack(args.dtype, r0=args.r0, dt=args.dt)
+        r0 = args.r0
+        if r0 is None:
+            radius = getattr(model, "input_radius", None)
+            r0 = float(radius()) if callable(radius) else 1.0
+        stack = updates.stack(args.dtype, r0=r0, dt=args.dt)
     except (ValueError, TypeError) as exc:
         print(f"certblocks certify: error: {exc}", file=sys.stderr)
         return 2

@@ -47,3 +47,14 @@ def test_convert_command(capsys):
     assert "before" in out and "after" in out
     args = _parser().parse_args(["convert", "resnet50"])
     assert args.func(args) == 2
+
+
+@pytest.mark.parametrize("name", ["patchtst_noln_test", "mamba_forecaster_lg_test", "toto_style_test",
+                                  "gpt2_qknorm_test"])
+def test_certify_cli_traces_zoo_models(name, capsys):
+    from certblocks import cli
+
+    code = cli.main(["certify", name, "--dtype", "fp32"])
+    out = capsys.readouterr().out
+    assert code in (0, 1), out  # 0 certified, 1 not certified; 2 would be an error
+    assert "updates" in out and "(q, sigma)" in out
