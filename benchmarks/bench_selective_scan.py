@@ -180,7 +180,7 @@ def bench_cpu(args):
         if importlib.util.find_spec("selective_scan_cuda") is None:  # mamba-ssm built without CUDA
             sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
         from mamba_ssm.ops.selective_scan_interface import selective_scan_ref
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         log(f"mamba-ssm not importable ({exc!r}): skipping its reference")
         selective_scan_ref = None
     if selective_scan_ref is not None:
@@ -236,12 +236,12 @@ def bench_gpu(args):
     timer = cuda_timer if dev == "cuda" else cpu_timer
     try:
         from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         log(f"mamba-ssm CUDA selective_scan_fn not importable ({exc!r})")
         selective_scan_fn = None
     try:
         from mamba_ssm.ops.triton.selective_state_update import selective_state_update as m_ssu
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         log(f"mamba-ssm selective_state_update not importable ({exc!r})")
         m_ssu = None
     # device-to-device copy bandwidth (read + write)
@@ -265,7 +265,7 @@ def bench_gpu(args):
                 log(f"D={D} {name} {kind}")
                 try:
                     t, ts = timer(mk(scan, x), args.repeats)
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     log(f"D={D} {name} {kind} failed: {exc!r}")
                     rows.append(dict(D=D, impl=name, pass_=kind, median_ms=f"failed: {type(exc).__name__}"))
                     continue
@@ -289,7 +289,7 @@ def bench_gpu(args):
             log(f"D={D} {name} decode")
             try:
                 t, ts = timer(f, args.repeats * 10)
-            except Exception as exc:  # noqa: BLE001  (a peer that cannot run here is reported, not fatal)
+            except Exception as exc:
                 log(f"D={D} {name} decode failed: {exc!r}")
                 rows.append(dict(D=D, impl=name, pass_="decode", median_ms=f"failed: {type(exc).__name__}"))
                 continue

@@ -397,7 +397,7 @@ class _MambaMixer(nn.Module):
     # ------------------------------------------------------------------ certificate helpers
     def _weights64(self) -> Dict[str, torch.Tensor]:
         """Detached float64 CPU copies of the weights, split as the forward uses them."""
-        g = lambda t: t.detach().to(device="cpu", dtype=torch.float64)  # noqa: E731
+        g = lambda t: t.detach().to(device="cpu", dtype=torch.float64)
         W_in = g(self.in_proj.weight)
         b_in = g(self.in_proj.bias) if self.in_proj.bias is not None else W_in.new_zeros(2 * self.d_inner)
         Wxp = g(self.x_proj.weight)

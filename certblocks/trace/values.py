@@ -124,7 +124,7 @@ def _is_finite_number(x: float) -> bool:
 class ConstAValue(AValue):
     """An :class:`AValue` of a constant, with lazily computed row norm, max-abs and sign."""
 
-    def __init__(self, value: torch.Tensor, rule: str = "constant") -> None:  # noqa: D107
+    def __init__(self, value: torch.Tensor, rule: str = "constant") -> None:
         self.exps = CONSTANT
         self.J = Poly.ZERO
         self.shape = tuple(value.shape)

@@ -91,7 +91,7 @@ def test_timm_registration():
 def test_timm_full_size_is_refused_in_bf16():
     """ViT-Ti/16 (24 updates) at timm's initialization is past the bf16 budget: refused unless certify=False."""
     timm = pytest.importorskip("timm")
-    import certblocks.zoo  # noqa: F401
+    import certblocks.zoo
 
     import certblocks
 
