@@ -19,7 +19,7 @@ import argparse
 import json
 import math
 import sys
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from . import budget
 from .certificate import BlockCertificate, Depths
@@ -152,7 +152,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(dtypes=dtypes)
 
 
-def build_parser() -> argparse.ArgumentParser:
+_LIGHT_COMMANDS = ("budget", "table", "demo")
+
+
+def build_parser(argv: Optional[Sequence[str]] = None) -> argparse.ArgumentParser:
+    """The argument parser.
+
+    ``certify``, ``zoo`` and ``convert`` import torch, timm and the zoo; they are registered only
+    when ``argv`` may need them, so that ``certblocks budget`` starts fast.
+    """
     parser = argparse.ArgumentParser(prog="certblocks", description="Stability certificates for residual blocks.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -179,17 +187,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="fp16,bf16,fp32", help="comma-separated dtypes (default fp16,bf16,fp32)")
     p.set_defaults(func=_cmd_demo)
 
-    from .trace.cli import add_certify_parser
-    from .zoo.cli import add_zoo_commands
+    command = next((a for a in argv if not a.startswith("-")), None) if argv is not None else None
+    if command not in _LIGHT_COMMANDS:
+        from .trace.cli import add_certify_parser
+        from .zoo.cli import add_zoo_commands
 
-    add_certify_parser(sub)
-    add_zoo_commands(sub)
+        add_certify_parser(sub)
+        add_zoo_commands(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``certblocks`` console script."""
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 
