@@ -26,6 +26,11 @@ _LAZY = {
     "LinearGrowthMamba": ("certblocks.blocks", "LinearGrowthMamba"),
     "Mamba": ("certblocks.blocks", "Mamba"),
     "convert": ("certblocks.convert", "convert"),
+    "CertificateMonitor": ("certblocks.monitor", "CertificateMonitor"),
+    "CertificateWarning": ("certblocks.monitor", "CertificateWarning"),
+    "enforce": ("certblocks.enforce", "enforce"),
+    "unenforce": ("certblocks.enforce", "unenforce"),
+    "EnforceReport": ("certblocks.enforce", "EnforceReport"),
     "ConversionReport": ("certblocks.convert", "ConversionReport"),
 }
 
@@ -55,6 +60,11 @@ __all__ = [
     "QKNormAttention",
     "certify",
     "convert",
+    "CertificateMonitor",
+    "CertificateWarning",
+    "enforce",
+    "unenforce",
+    "EnforceReport",
     "ConversionReport",
     "register_atom",
     "BlockCertificate",

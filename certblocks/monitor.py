@@ -1,0 +1,589 @@
+"""``CertificateMonitor``: watch a model's certificate while it trains, and warn before it breaks.
+
+A certificate is computed from the current weights, and training moves them (THEORY.md section 5):
+in a no-LN GPT-2 that diverged, the query-key coefficient ``kappa`` of one block grew ~40x before
+the blow-up.  The monitor follows, every ``every`` training steps:
+
+* per residual update ``k`` (names from :func:`residual_updates`): the certificate's coefficients
+  ``c, b, l1, l0``, the radius ``R_k``, the backward factor ``log(1 + dt L_k(R_k))`` and two margins
+  to the dtype's budget (below);
+* on the current batch: the saturation ratio ``||v(X_k)|| / (c ||X_k||^q + b)`` (largest over the
+  batch's samples, per-token norm) and the cosine between ``v(X_k)`` and ``-p_{k+1}``;
+* per attention update: ``kappa = max_h ||W_Q^{hT} W_K^h||`` and the largest attention logit on the batch;
+* per ``nn.Linear`` inside an update: its operator norm (``<update>/<layer>.opnorm``).
+
+**Margins** (``M`` the dtype's largest finite value, ``B = log(M / Lip G)`` the backward log budget,
+``D`` the number of updates, ``f_k = log(1 + dt L_k(R_k))``):
+
+* ``margin_grad`` of update ``k`` = ``1 - f_k / (B / D)``: the unused fraction of the update's even share
+  of the backward budget (negative: the update uses more than its share; the stack can still be
+  certified if others use less -- see ``stack/margin_grad``);
+* ``margin_fwd`` of update ``k`` = ``1 - log(max(R_{k+1}, 1)) / log(M)``: how far the forward radius after
+  the update is from overflow, in log scale;
+* ``stack/margin_grad`` = ``1 - sum_k f_k / B`` and ``stack/ok``, ``stack/certified_depth``.
+
+**Alerts.**  Each issues a :class:`CertificateWarning` naming the update and the quantity, and calls
+``callback(alert)``:
+
+* ``stack/margin_grad`` below ``threshold`` (or not a number: exponents not derived): the backward
+  budget is nearly spent; the alert names the update with the largest factor ``f_k``;
+* ``margin_fwd`` below ``threshold``: the first update after which the forward radius bound is that
+  close to ``M`` (log scale);
+* with ``share_alerts=True``, every update whose ``margin_grad`` (even share) is below ``threshold``
+  (off by default: a certified stack may spend its budget unevenly);
+* ``kappa`` of an attention update without QK-norm at least ``kappa_growth`` times its value at the
+  first check (default 10x; THEORY.md section 5: ~40x preceded the divergence of a no-LN GPT-2).
+
+**How the figures are obtained.**
+
+* Coefficients and margins come from the blocks' own ``certificate()`` (sound upper bounds with
+  float64 norms, on one thread) through :func:`certblocks.certify_stack`: the margins are never
+  optimistic.  Measured cost: ~1.2 s per check for a 6-layer, width-384 GPT-2 on a busy 2-core CPU.
+* ``kappa`` and the ``opnorm`` figures are *estimates* from warm-started power iteration: the previous
+  top singular vector of each matrix is kept and ``power_iters`` iterations (``power_iters_init`` the
+  first time) refine it.  A power-iteration value is ``||A v|| / ||v||`` for some ``v``, so it never
+  exceeds the exact norm, and it converges to it from below; ``tests/monitor`` compares it with
+  ``torch.linalg.matrix_norm(ord=2)``.  These are diagnostics, not bounds; nothing sound depends on them.
+* Batch quantities use **forward hooks** on each velocity module (installed at construction, active
+  only on checked steps): the hook reads the update's input ``X_k`` and output ``v(X_k)``.  ``p_{k+1}``
+  comes from a tensor hook registered on ``v(X_k)`` during that forward: the user's own
+  ``loss.backward()`` delivers ``dL/dv = dt * p_{k+1}`` (``X_{k+1} = X_k + dt v``, ``dt > 0``), which
+  has the direction of ``p_{k+1}``.  No extra forward or backward pass is run.  With gradient
+  accumulation, the first forward after the previous check is the one measured.
+* The saturation ratio is ``<= 1`` whenever the certificate is sound and dropout is inactive (``eval()``
+  or ``p = 0``): training-mode dropout rescales ``v`` by ``1 / (1 - p)``, outside the certificate.
+* The attention logit is ``s q_i . k_j`` over the causal pairs (all pairs for bidirectional
+  attention; user masks are ignored, so the figure is the largest over a superset), on the first
+  ``logit_samples`` samples of the batch.
+
+Use::
+
+    monitor = CertificateMonitor(model, "bf16", every=50)
+    for batch in data:
+        loss = model(batch).loss
+        loss.backward()
+        monitor.step()          # after backward, before optimizer.step(): figures match the batch
+        optimizer.step(); optimizer.zero_grad()
+    monitor.to_csv("certificate.csv")
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+from .budget import dtype_name, float_max
+from .certificate import BlockCertificate, StackCertificate, certify_stack
+from .stack import CertifiedStack, block_certificate
+
+__all__ = ["CertificateMonitor", "CertificateWarning", "ResidualUpdates", "residual_updates"]
+
+
+class CertificateWarning(UserWarning):
+    """A certificate margin fell below the monitor's threshold (the message names the update and the quantity)."""
+
+
+# ------------------------------------------------------------------------------------------------ adapter
+@dataclass
+class ResidualUpdates:
+    """The residual updates of a model in depth order, with the run parameters of its certificate.
+
+    Attributes:
+        names: one label per update (module paths where known).
+        modules: the velocity modules ``v_k``.
+        dt: the residual step.
+        r0: bound on the per-token norm of the first update's input (a callable is re-evaluated at each
+            check, e.g. a zoo model's ``input_radius`` computed from the embedding weights).
+        seq_len: sequence length offered to the certificates (``None``: the blocks' default).
+        lip_g: Lipschitz constant of the loss head.
+        fixed: a given certificate per update, or ``None`` (computed from the module).
+    """
+
+    names: List[str]
+    modules: List[nn.Module]
+    dt: float = 1.0
+    r0: Union[float, Callable[[], float]] = 1.0
+    seq_len: Optional[int] = None
+    lip_g: float = 1.0
+    fixed: List[Optional[BlockCertificate]] = field(default_factory=list)
+
+    def radius(self) -> float:
+        return float(self.r0()) if callable(self.r0) else float(self.r0)
+
+    def certificates(self) -> List[BlockCertificate]:
+        """One certificate per update, named by :attr:`names` (float64 linear algebra on one thread: on a busy
+        machine multi-threaded LAPACK on these small matrices was measured many times slower)."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return self._certificates()
+        finally:
+            torch.set_num_threads(threads)
+
+    def _certificates(self) -> List[BlockCertificate]:
+        out = []
+        fixed = self.fixed or [None] * len(self.modules)
+        for name, m, f in zip(self.names, self.modules, fixed):
+            try:
+                cert = f if f is not None else block_certificate(m, seq_len=self.seq_len)
+            except TypeError as e:
+                if self.seq_len is None and "seq_len" in str(e):
+                    raise ValueError(f"update {name!r} ({type(m).__name__}) needs the sequence length for its "
+                                     "certificate: pass seq_len=") from e
+                raise
+            out.append(BlockCertificate(cert.q, cert.sigma, c=cert.c, b=cert.b, l1=cert.l1, l0=cert.l0, name=name,
+                                        culprit=cert.culprit, fix=cert.fix))
+        return out
+
+
+def _is_zoo(model: Any) -> bool:
+    return all(callable(getattr(model, a, None)) for a in ("residual_updates", "input_radius",
+                                                            "certificate_seq_len"))
+
+
+def residual_updates(model: Any, *, r0: Optional[float] = None, seq_len: Optional[int] = None) -> ResidualUpdates:
+    """Find the residual updates of a model, in depth order.
+
+    Args:
+        model: one of
+
+            * a :class:`~certblocks.CertifiedStack` (``blocks``, its ``dt``, ``r0``, ``lip_g``, ``seq_len``
+              and any certificates given explicitly to :func:`~certblocks.build_stack`);
+            * a zoo model (``residual_updates()``, ``input_radius()``, ``certificate_seq_len()``; ``dt = 1``);
+            * a :class:`~certblocks.ConversionReport` or a converted model: every module with a
+              ``certificate()`` method and an ``exponents`` attribute that is not inside another one,
+              in module order (a ``PatchTSTBlock`` gives its two updates); ``dt = 1``.  In a converted
+              model that keeps its LayerNorms the velocity is the certified block alone: the monitor
+              measures it on its own input (the normalized state);
+            * a sequence of ``(name, module)`` pairs.
+        r0: overrides the input radius (needed for converted models and pairs, default 1).
+        seq_len: overrides the sequence length offered to the certificates (needed by Mamba blocks in
+            converted models and pairs; default: the stack's or zoo model's, else none).
+
+    Raises:
+        TypeError: ``model`` is none of the above, or has no certified block.
+    """
+    if r0 is not None and (isinstance(r0, bool) or not isinstance(r0, (int, float)) or not math.isfinite(r0)
+                           or r0 < 0):
+        raise ValueError(f"r0 must be a finite number >= 0 or None, got {r0!r}")
+    if seq_len is not None:
+        _check_positive_int("seq_len", seq_len)
+    if isinstance(model, CertifiedStack):
+        n = len(model.blocks)
+        return ResidualUpdates([f"blocks.{k}" for k in range(n)], list(model.blocks), dt=model.dt,
+                               r0=model.r0 if r0 is None else r0,
+                               seq_len=model.seq_len if seq_len is None else seq_len, lip_g=model.lip_g,
+                               fixed=list(getattr(model, "_explicit", [None] * n)))
+    if isinstance(model, nn.Module) and _is_zoo(model):
+        pairs = list(model.residual_updates())
+        return ResidualUpdates([p for p, _ in pairs], [m for _, m in pairs], dt=1.0,
+                               r0=model.input_radius if r0 is None else r0,
+                               seq_len=int(model.certificate_seq_len()) if seq_len is None else seq_len)
+    if type(model).__name__ in ("DistributedDataParallel", "DataParallel") and isinstance(
+            getattr(model, "module", None), nn.Module):
+        return residual_updates(model.module, r0=r0, seq_len=seq_len)
+    if hasattr(model, "model") and hasattr(model, "swaps") and isinstance(model.model, nn.Module):
+        model = model.model  # ConversionReport
+    if isinstance(model, nn.Module):
+        names: List[str] = []
+        mods: List[nn.Module] = []
+        taken: List[str] = []
+        for path, m in model.named_modules():
+            if any(path.startswith(t + ".") for t in taken):
+                continue
+            ups = getattr(m, "updates", None)
+            if callable(ups) and callable(getattr(m, "certificate", None)):
+                for j, u in enumerate(ups()):
+                    names.append(f"{path}.updates[{j}]" if path else f"updates[{j}]")
+                    mods.append(u)
+                taken.append(path)
+            elif callable(getattr(m, "certificate", None)) and hasattr(m, "exponents") and m is not model:
+                names.append(path)
+                mods.append(m)
+                taken.append(path)
+        if not mods:
+            raise TypeError(f"{type(model).__name__} has no certified block (no submodule with certificate() and "
+                            "exponents); convert it with certblocks.convert first, or pass (name, module) pairs")
+        return ResidualUpdates(names, mods, r0=1.0 if r0 is None else r0, seq_len=seq_len)
+    if isinstance(model, (list, tuple)):
+        names, mods = [], []
+        for k, item in enumerate(model):
+            if (not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], str)
+                    or not isinstance(item[1], nn.Module)):
+                raise TypeError(f"model[{k}] must be a (name, nn.Module) pair, got {item!r}")
+            names.append(item[0])
+            mods.append(item[1])
+        if not mods:
+            raise ValueError("model must contain at least one (name, module) pair")
+        return ResidualUpdates(names, mods, r0=1.0 if r0 is None else r0, seq_len=seq_len)
+    raise TypeError(f"model must be a CertifiedStack, a zoo model, a ConversionReport, an nn.Module with certified "
+                    f"blocks or a sequence of (name, module) pairs, got {type(model).__name__}")
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def _attention_like(m: nn.Module) -> bool:
+    from .blocks.attention import _SelfAttention
+
+    return isinstance(m, _SelfAttention)
+
+
+def _power_step(mv: Callable[[torch.Tensor], torch.Tensor], rmv: Callable[[torch.Tensor], torch.Tensor],
+                v: torch.Tensor, iters: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``iters`` power iterations on ``A^T A`` (batched over the first axis); returns ``(sigma, v)``.
+
+    ``sigma = ||A v||`` with ``||v|| = 1``: at most ``||A||``.
+    """
+    for _ in range(iters):
+        u = mv(v)
+        v = rmv(u)
+        n = v.norm(dim=-1, keepdim=True)
+        v = torch.where(n > 0, v / n.clamp_min(1e-300), v)
+    sigma = mv(v).norm(dim=-1)
+    return sigma, v
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    for v in kwargs.values():
+        if isinstance(v, torch.Tensor):
+            return v
+    return None
+
+
+def _sample_norms(t: torch.Tensor) -> torch.Tensor:
+    """Per-sample norm ``max over tokens of ||token||_2`` (float64), shape ``(batch,)``."""
+    t = t.detach().to(torch.float64)
+    if t.ndim == 1:
+        return t.norm().reshape(1)
+    tok = t.norm(dim=-1)  # (batch, ...)
+    return tok.reshape(tok.shape[0], -1).amax(dim=1)
+
+
+def _check_positive_int(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
+    return value
+
+
+# ------------------------------------------------------------------------------------------------ monitor
+class CertificateMonitor:
+    """Recompute a model's certificate during training and warn when a margin runs low.
+
+    See the module docstring for every figure and how it is obtained.
+
+    Args:
+        model: a :class:`~certblocks.CertifiedStack`, a zoo model, a converted model (or its
+            :class:`~certblocks.ConversionReport`), or ``(name, module)`` pairs (:func:`residual_updates`).
+        dtype: the dtype whose budget the margins refer to (``torch.bfloat16``, ``"fp16"``, ...).
+        every: check every ``every`` calls of :meth:`step` (the first check is at step 0).
+        r0: the input radius of the certificate (default: the model's, see :func:`residual_updates`).
+        seq_len: the sequence length of the certificates (default: the model's, see :func:`residual_updates`).
+        threshold: warn when a margin is below this value (a number < 1; default 0.1).
+        callback: ``callback(alert)`` for each alert, ``alert`` a dict with ``step``, ``update``,
+            ``quantity``, ``value``, ``threshold`` and ``message``.
+        share_alerts: also alert on each update's ``margin_grad`` (its even share of the backward budget);
+            off by default because a certified stack may spend its budget unevenly.
+        kappa_growth: alert when an attention update without QK-norm has ``kappa`` at least this many
+            times its value at the first check (``None``: never).
+        power_iters: power iterations per check (warm-started) for ``kappa`` and the operator norms.
+        power_iters_init: power iterations the first time a matrix is seen.
+        logit_samples: samples of the batch used for the largest attention logit.
+        batch_figures: install the forward hooks (saturation, cosine, logits); ``False`` keeps only
+            the weight-based figures.
+
+    Attributes:
+        records: one plain dict per check (keys ``step``, ``stack/...`` and ``<update>/<quantity>``).
+        alerts: every alert issued.
+    """
+
+    def __init__(self, model: Any, dtype: Union[str, torch.dtype], *, every: int = 50, r0: Optional[float] = None,
+                 seq_len: Optional[int] = None, threshold: float = 0.1,
+                 callback: Optional[Callable[[Dict[str, Any]], Any]] = None,
+                 share_alerts: bool = False, kappa_growth: Optional[float] = 10.0,
+                 power_iters: int = 4, power_iters_init: int = 50, logit_samples: int = 8,
+                 batch_figures: bool = True) -> None:
+        self.dtype = dtype_name(dtype)
+        self.every = _check_positive_int("every", every)
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold) \
+                or threshold >= 1:
+            raise ValueError(f"threshold must be a finite number < 1 (a margin), got {threshold!r}")
+        self.threshold = float(threshold)
+        if callback is not None and not callable(callback):
+            raise TypeError(f"callback must be callable(alert) or None, got {type(callback).__name__}")
+        self.callback = callback
+        if not isinstance(share_alerts, bool):
+            raise TypeError(f"share_alerts must be a bool, got {share_alerts!r}")
+        self.share_alerts = share_alerts
+        if kappa_growth is not None and (isinstance(kappa_growth, bool) or not isinstance(kappa_growth, (int, float))
+                                         or not math.isfinite(kappa_growth) or kappa_growth <= 1):
+            raise ValueError(f"kappa_growth must be a finite number > 1 or None, got {kappa_growth!r}")
+        self.kappa_growth = None if kappa_growth is None else float(kappa_growth)
+        self.power_iters = _check_positive_int("power_iters", power_iters, 0)
+        self.power_iters_init = _check_positive_int("power_iters_init", power_iters_init, 1)
+        self.logit_samples = _check_positive_int("logit_samples", logit_samples)
+        if not isinstance(batch_figures, bool):
+            raise TypeError(f"batch_figures must be a bool, got {batch_figures!r}")
+        self.updates = residual_updates(model, r0=r0, seq_len=seq_len)
+        self.model = model
+        self.records: List[Dict[str, Any]] = []
+        self.alerts: List[Dict[str, Any]] = []
+        self.step_count = 0
+        self._vectors: Dict[Tuple[int, str], torch.Tensor] = {}
+        self._captures: Dict[int, Dict[str, Any]] = {}
+        self._handles: List[Any] = []
+        self._armed = True
+        self._stacklevel = 5  # warnings point at the caller of check() / step()
+        self._kappa0: Dict[int, float] = {}
+        self._gen = torch.Generator().manual_seed(0)
+        if batch_figures:
+            for k, m in enumerate(self.updates.modules):
+                self._handles.append(m.register_forward_hook(self._make_hook(k), with_kwargs=True))
+
+    # -- hooks ----------------------------------------------------------------------------------------------
+    def _make_hook(self, k: int) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if not self._armed or k in self._captures:
+                return
+            x = _first_tensor(args, kwargs)
+            y = output[0] if isinstance(output, (tuple, list)) else output
+            if x is None or not isinstance(y, torch.Tensor) or x.shape[0] != y.shape[0]:
+                return
+            cap: Dict[str, Any] = {"x_norm": _sample_norms(x), "v_norm": _sample_norms(y), "v": y.detach(),
+                                   "grad": None}
+            if y.requires_grad:
+                def grad_hook(g: torch.Tensor) -> None:
+                    if cap["grad"] is None:
+                        cap["grad"] = g.detach()
+                y.register_hook(grad_hook)
+            if _attention_like(module):
+                cap["max_logit"] = self._max_logit(module, x)
+            self._captures[k] = cap
+        return hook
+
+    @torch.no_grad()
+    def _max_logit(self, m: nn.Module, x: torch.Tensor) -> float:
+        xs = x.detach()[: self.logit_samples]
+        if xs.ndim != 3:
+            return math.nan
+        q, kk, _ = m._qkv(xs, fast=False)  # (B, nh, T, hs)
+        logits = (q.double() @ kk.double().transpose(-2, -1)).abs() * m.scale
+        if m.causal:
+            T = logits.shape[-1]
+            allowed = torch.ones(T, T, dtype=torch.bool, device=logits.device).tril()
+            logits = logits.masked_fill(~allowed, 0.0)
+        return float(logits.max())
+
+    # -- weight figures -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _power(self, key: Tuple[int, str], mv: Callable, rmv: Callable, batch: int, n: int) -> torch.Tensor:
+        v = self._vectors.get(key)
+        iters = self.power_iters
+        if v is None or tuple(v.shape) != (batch, n):
+            v = torch.randn(batch, n, generator=self._gen, dtype=torch.float64)
+            v = v / v.norm(dim=-1, keepdim=True)
+            iters = self.power_iters_init
+        sigma, v = _power_step(mv, rmv, v, iters)
+        self._vectors[key] = v
+        return sigma
+
+    def _kappa(self, k: int, m: nn.Module) -> float:
+        """``max_h ||W_Q^{hT} W_K^h||`` by warm-started power iteration (an estimate from below)."""
+        D, H, hd = m.dim, m.num_heads, m.head_dim
+        w = m.in_proj.weight.detach().to("cpu", torch.float64)
+        wq = w[:D].reshape(H, hd, D)
+        wk = w[D:2 * D].reshape(H, hd, D)
+        # A_h = Wq_h^T Wk_h : R^D -> R^D
+        mv = lambda v: torch.einsum("hkd,hk->hd", wq, torch.einsum("hkd,hd->hk", wk, v))
+        rmv = lambda u: torch.einsum("hkd,hk->hd", wk, torch.einsum("hkd,hd->hk", wq, u))
+        return float(self._power((k, "kappa"), mv, rmv, H, D).max())
+
+    def _opnorm(self, k: int, sub: str, w: torch.Tensor) -> float:
+        w = w.detach().to("cpu", torch.float64)
+        if w.ndim != 2 or w.numel() == 0:
+            return math.nan
+        mv = lambda v: v @ w.T
+        rmv = lambda u: u @ w
+        return float(self._power((k, sub), mv, rmv, 1, w.shape[1])[0])
+
+    # -- the check ------------------------------------------------------------------------------------------
+    def step(self) -> Optional[Dict[str, Any]]:
+        """Count one training step; on a checked step compute, record and return the figures.
+
+        Call it once per training step, after ``loss.backward()`` (the batch figures need the
+        gradient) and before ``optimizer.step()`` (so the certificate is for the weights that produced
+        the batch).  Returns the record on a checked step, else ``None``.
+        """
+        record = None
+        if self.step_count % self.every == 0:
+            self._stacklevel = 6
+            try:
+                record = self.check()
+            finally:
+                self._stacklevel = 5
+        self.step_count += 1
+        self._captures = {}
+        self._armed = self.step_count % self.every == 0
+        return record
+
+    def check(self) -> Dict[str, Any]:
+        """Compute the figures now (weights as they are, batch figures from the last captured forward)."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # small float64 linear algebra: one thread is much faster on a busy machine
+        try:
+            return self._check()
+        finally:
+            torch.set_num_threads(threads)
+
+    def _check(self) -> Dict[str, Any]:
+        ups = self.updates
+        certs = ups.certificates()
+        stack = certify_stack(certs, self.dtype, dt=ups.dt, r0=ups.radius(), lip_g=ups.lip_g)
+        rec: Dict[str, Any] = {"step": self.step_count}
+        rec.update(self._stack_figures(stack))
+        for k, (name, m, cert) in enumerate(zip(ups.names, ups.modules, certs)):
+            rec.update({f"{name}/{key}": val for key, val in self._update_figures(k, m, cert, stack).items()})
+        self.records.append(rec)
+        self._alert(rec, stack)
+        return rec
+
+    def _stack_figures(self, stack: StackCertificate) -> Dict[str, Any]:
+        M = float_max(self.dtype)
+        budget = math.log(M) - math.log(stack.lip_g)
+        total = stack.log_gradient_bound
+        return {"stack/ok": bool(stack.ok), "stack/certified_depth": stack.certified_depth,
+                "stack/depth": stack.depth, "stack/log_grad_bound": total, "stack/log_budget": budget,
+                "stack/radius_out": stack.radii[-1], "stack/margin_grad": 1.0 - total / budget}
+
+    def _update_figures(self, k: int, m: nn.Module, cert: BlockCertificate, stack: StackCertificate
+                        ) -> Dict[str, Any]:
+        M = float_max(self.dtype)
+        D = stack.depth
+        budget = math.log(M) - math.log(stack.lip_g)
+        f = stack.log_factors[k]
+        r_out = stack.radii[k + 1]
+        out: Dict[str, Any] = {"q": cert.q, "sigma": cert.sigma, "c": cert.c, "b": cert.b, "l1": cert.l1,
+                               "l0": cert.l0, "radius_in": stack.radii[k], "radius_out": r_out,
+                               "log_factor": f}
+        out["margin_grad"] = 1.0 - f * D / budget if not math.isnan(f) else math.nan
+        out["margin_fwd"] = (1.0 - math.log(max(r_out, 1.0)) / math.log(M)) if not math.isnan(r_out) else math.nan
+        cap = self._captures.get(k)
+        if cap is not None and cert.q is not None:
+            bound = cert.c * cap["x_norm"] ** cert.q + cert.b
+            ratio = torch.where(bound > 0, cap["v_norm"] / bound.clamp_min(1e-300),
+                                torch.where(cap["v_norm"] > 0, torch.full_like(bound, math.inf),
+                                            torch.zeros_like(bound)))
+            out["saturation"] = float(ratio.max())
+            out["state_norm"] = float(cap["x_norm"].max())
+            out["velocity_norm"] = float(cap["v_norm"].max())
+            g = cap["grad"]
+            if g is not None and g.shape == cap["v"].shape:
+                v64, g64 = cap["v"].double().flatten(), g.double().flatten()
+                den = float(v64.norm()) * float(g64.norm())
+                out["cosine"] = float(-(v64 @ g64)) / den if den > 0 else 0.0
+            else:
+                out["cosine"] = None
+        else:
+            out.update({"saturation": None, "state_norm": None, "velocity_norm": None, "cosine": None})
+        if _attention_like(m):
+            out["kappa"] = self._kappa(k, m)
+            out["max_logit"] = cap.get("max_logit") if cap is not None else None
+        for sub, lin in m.named_modules():
+            if isinstance(lin, nn.Linear):
+                out[f"{sub}.opnorm"] = self._opnorm(k, sub, lin.weight)
+        return out
+
+    def _alert(self, rec: Dict[str, Any], stack: StackCertificate) -> None:
+        step = rec["step"]
+        names = self.updates.names
+        where = f"{self.dtype}, certified depth {stack.certified_depth}/{stack.depth}"
+        # 1. the whole backward budget: name the update with the largest factor
+        val = rec["stack/margin_grad"]
+        if val < self.threshold or math.isnan(val):
+            factors = [rec[f"{n}/log_factor"] for n in names]
+            worst = max(range(len(names)), key=lambda i: math.inf if math.isnan(factors[i]) else factors[i])
+            msg = (f"step {step}: update {names[worst]!r}: stack margin_grad = {val:.4g} below threshold "
+                   f"{self.threshold:g} (backward budget nearly used; this update has the largest factor "
+                   f"log(1 + dt L_k(R_k)) = {factors[worst]:.4g}, margin_grad of its even share "
+                   f"{rec[f'{names[worst]}/margin_grad']:.4g}; {where})")
+            self._emit({"step": step, "update": names[worst], "quantity": "stack/margin_grad", "value": val,
+                        "threshold": self.threshold, "message": msg})
+        # 2. per-update even shares (opt-in: a certified stack may spend its budget unevenly)
+        if self.share_alerts:
+            for name in names:
+                val = rec[f"{name}/margin_grad"]
+                if val < self.threshold or math.isnan(val):
+                    msg = (f"step {step}: update {name!r}: margin_grad = {val:.4g} below threshold "
+                           f"{self.threshold:g} (its even share of the backward budget; {where})")
+                    self._emit({"step": step, "update": name, "quantity": "margin_grad", "value": val,
+                                "threshold": self.threshold, "message": msg})
+        # 3. the forward radius: it grows with depth, name the first update below the threshold
+        for name in names:
+            val = rec[f"{name}/margin_fwd"]
+            if val < self.threshold or math.isnan(val):
+                msg = (f"step {step}: update {name!r}: margin_fwd = {val:.4g} below threshold {self.threshold:g} "
+                       f"(forward radius bound after the update {rec[f'{name}/radius_out']:.4g}, log scale of M; "
+                       f"{where})")
+                self._emit({"step": step, "update": name, "quantity": "margin_fwd", "value": val,
+                            "threshold": self.threshold, "message": msg})
+                break
+        # 4. kappa growth of attention without QK-norm (the early-warning signal of THEORY.md section 5)
+        if self.kappa_growth is not None:
+            for k, (name, m) in enumerate(zip(names, self.updates.modules)):
+                kap = rec.get(f"{name}/kappa")
+                if kap is None or getattr(m, "qk_norm", None) is not None:
+                    continue
+                first = self._kappa0.setdefault(k, kap)
+                if first > 0 and kap >= self.kappa_growth * first:
+                    msg = (f"step {step}: update {name!r}: kappa = {kap:.4g} grew {kap / first:.3g}x since the "
+                           f"first check ({first:.4g}; threshold {self.kappa_growth:g}x): the query-key coefficient "
+                           f"drives the attention Jacobian (sigma = 2); {where}")
+                    self._emit({"step": step, "update": name, "quantity": "kappa", "value": kap,
+                                "threshold": self.kappa_growth * first, "message": msg})
+
+    def _emit(self, alert: Dict[str, Any]) -> None:
+        self.alerts.append(alert)
+        warnings.warn(alert["message"], CertificateWarning, stacklevel=self._stacklevel)
+        if self.callback is not None:
+            self.callback(alert)
+
+    # -- output and lifetime --------------------------------------------------------------------------------
+    def to_csv(self, path: Union[str, os.PathLike]) -> None:
+        """Write :attr:`records` as CSV (one row per check, columns = union of keys; missing = empty)."""
+        keys: List[str] = []
+        seen = set()
+        for r in self.records:
+            for key in r:
+                if key not in seen:
+                    seen.add(key)
+                    keys.append(key)
+        with open(path, "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=keys)
+            writer.writeheader()
+            for r in self.records:
+                writer.writerow({key: ("" if r.get(key) is None else r[key]) for key in keys})
+
+    def remove(self) -> None:
+        """Remove the forward hooks (the records stay)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __enter__(self) -> CertificateMonitor:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return (f"CertificateMonitor({len(self.updates.modules)} updates, dtype={self.dtype}, every={self.every}, "
+                f"threshold={self.threshold:g}, {len(self.records)} records)")
