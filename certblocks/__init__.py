@@ -9,6 +9,11 @@ from typing import Any
 
 from .budget import float_max, jacobian_budget
 from .certificate import BlockCertificate, Depths, Failure, StackCertificate, certify_stack
+
+# convert and enforce are functions named like their modules, so they are imported eagerly: a lazy
+# attribute would be replaced by the module as soon as anything imports certblocks.convert/enforce.
+from .convert import ConversionReport, convert
+from .enforce import EnforceReport, enforce, unenforce
 from .exponents import Exponents
 from .stack import CertificationError, CertifiedStack, build_stack
 
@@ -25,13 +30,8 @@ _LAZY = {
     "PatchTSTBlock": ("certblocks.blocks", "PatchTSTBlock"),
     "LinearGrowthMamba": ("certblocks.blocks", "LinearGrowthMamba"),
     "Mamba": ("certblocks.blocks", "Mamba"),
-    "convert": ("certblocks.convert", "convert"),
     "CertificateMonitor": ("certblocks.monitor", "CertificateMonitor"),
     "CertificateWarning": ("certblocks.monitor", "CertificateWarning"),
-    "enforce": ("certblocks.enforce", "enforce"),
-    "unenforce": ("certblocks.enforce", "unenforce"),
-    "EnforceReport": ("certblocks.enforce", "EnforceReport"),
-    "ConversionReport": ("certblocks.convert", "ConversionReport"),
 }
 
 

@@ -65,3 +65,12 @@ def test_readme_python_examples_run(capsys):
 def test_demo_runs(capsys):
     code, out, _ = run(capsys, "demo", "--dtype", "fp16")
     assert code == 0 and "CertificationError" in out and "certified: all 24 updates" in out
+
+
+def test_functions_named_like_their_modules_stay_functions():
+    import certblocks
+    import certblocks.convert  # importing the submodule must not shadow the function
+    import certblocks.enforce
+
+    assert callable(certblocks.convert) and callable(certblocks.enforce) and callable(certblocks.unenforce)
+    assert certblocks.convert.__module__ == "certblocks.convert"

@@ -153,9 +153,14 @@ class _SplitQKVRMSNorm(torch.autograd.Function):
                 continue
             xh, wc = xhat[c], w[c]
             g = dy * wc
+            if g.dtype != xh.dtype:  # autocast: low-precision activations, float32 scales and gradients
+                xh = xh.to(g.dtype)
             m = torch.linalg.vecdot(xh, g, dim=-1).unsqueeze_(-1).mul_(1.0 / hd)
             g = torch.addcmul(g, xh, m, value=-1.0)  # g - xhat mean(xhat g)
-            torch.mul(g, r[c], out=dview[c])
+            if g.dtype == dview.dtype:
+                torch.mul(g, r[c], out=dview[c])
+            else:
+                dview[c].copy_(g * r[c])
             dws.append((dy * xh).sum(dim=(0, 1, 2)) if ctx.needs_w else None)
         dwq, dwk = dws
         return dqkv, dwq, dwk, None, None

@@ -286,3 +286,21 @@ def test_token_batchnorm_matches_batchnorm1d():
         getattr(bn, mode)()
         torch.testing.assert_close(tbn(x), bn(x.transpose(1, 2)).transpose(1, 2))
     torch.testing.assert_close(tbn.running_mean, bn.running_mean)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_qknorm_attention_backward_under_cpu_autocast(dtype):
+    # float32 parameters, low-precision activations: the fused QK-norm backward must handle both
+    torch.manual_seed(0)
+    blk = QKNormAttention(32, 4)
+    x = torch.randn(2, 6, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=dtype):
+        y = blk(x)
+    y.float().square().mean().backward()
+    grads = [x.grad] + [p.grad for p in blk.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    x2 = x.detach().clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=dtype):
+        y2 = blk.forward_reference(x2)
+    y2.float().square().mean().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=5e-2, atol=5e-3)
