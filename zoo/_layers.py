@@ -178,3 +178,28 @@ class NormedUpdate(nn.Module):
             c, l0 = a_out, g_out * l_branch * g_in
         return BlockCertificate(0.0, 0.0, c=c, b=0.0, l1=0.0, l0=l0, name=f"{self.placement}-{self.norm_kind}",
                                 culprit=f"{self.placement}-{self.norm_kind} norm bounds the branch input")
+
+
+class SeriesForecasterMixin:
+    """What the channel-independent forecasters share: input ``(batch, seq_len, n_vars)``, patch tokens.
+
+    Expects ``self.seq_len``, ``self.n_vars`` and ``self.patch`` (a :class:`Patcher`).
+    """
+
+    seq_len: int
+    n_vars: int
+    patch: Patcher
+
+    def example_input(self, seq_len: Optional[int] = None) -> torch.Tensor:
+        """A random series ``(1, seq_len, n_vars)``; the look-back window is fixed, so ``seq_len`` is ignored."""
+        return torch.randn(1, self.seq_len, self.n_vars, generator=torch.Generator().manual_seed(0))
+
+    def certificate_seq_len(self) -> int:
+        """The residual stream's tokens are the patches."""
+        return self.patch.num_patches
+
+    def _check_series(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor) or x.ndim != 3 or x.shape[1] != self.seq_len or x.shape[2] != self.n_vars:
+            raise ValueError(f"x must have shape (batch, {self.seq_len}, {self.n_vars}), got "
+                             f"{tuple(getattr(x, 'shape', ()))}")
+

@@ -33,7 +33,7 @@ from certblocks.blocks.mamba import LinearGrowthMamba, Mamba
 from certblocks.blocks.mlp import MLP
 
 from ._base import ZooModel, check_int, check_prob
-from ._layers import NormedUpdate, Patcher, RevIN
+from ._layers import NormedUpdate, Patcher, RevIN, SeriesForecasterMixin
 from ._registry import register_model
 
 __all__ = ["MambaForecaster", "MambaForecasterLayer"]
@@ -65,7 +65,7 @@ class MambaForecasterLayer(nn.Module):
         return x + self.dropout(self.mlp(x))
 
 
-class MambaForecaster(ZooModel):
+class MambaForecaster(SeriesForecasterMixin, ZooModel):
     """Channel-independent Mamba forecaster ``(batch, seq_len, n_vars) -> (batch, pred_len, n_vars)``.
 
     Args:
@@ -112,18 +112,9 @@ class MambaForecaster(ZooModel):
     def input_radius(self) -> float:
         return self.patch.radius(*self.revin.affine_bounds())
 
-    def example_input(self, seq_len: Optional[int] = None) -> torch.Tensor:
-        """A random series ``(1, seq_len, n_vars)``; the look-back window is fixed, so ``seq_len`` is ignored."""
-        return torch.randn(1, self.seq_len, self.n_vars, generator=torch.Generator().manual_seed(0))
-
-    def certificate_seq_len(self) -> int:
-        return self.patch.num_patches
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x (B, seq_len, n_vars) -> forecast (B, pred_len, n_vars)``."""
-        if not isinstance(x, torch.Tensor) or x.ndim != 3 or x.shape[1] != self.seq_len or x.shape[2] != self.n_vars:
-            raise ValueError(f"x must have shape (batch, {self.seq_len}, {self.n_vars}), got "
-                             f"{tuple(getattr(x, 'shape', ()))}")
+        self._check_series(x)
         B = x.shape[0]
         x, mean, std = self.revin.normalize(x)
         z = self.patch(x.transpose(1, 2).reshape(B * self.n_vars, self.seq_len))  # (B*C, N, d)

@@ -32,13 +32,13 @@ from torch import nn
 from certblocks.blocks.patchtst import PatchTSTBlock
 
 from ._base import ZooModel, check_int, check_prob
-from ._layers import Patcher, RevIN
+from ._layers import Patcher, RevIN, SeriesForecasterMixin
 from ._registry import register_model
 
 __all__ = ["PatchTSTForecaster"]
 
 
-class PatchTSTForecaster(ZooModel):
+class PatchTSTForecaster(SeriesForecasterMixin, ZooModel):
     """Channel-independent PatchTST forecaster ``(batch, seq_len, n_vars) -> (batch, pred_len, n_vars)``.
 
     Args:
@@ -92,18 +92,9 @@ class PatchTSTForecaster(ZooModel):
             raise ValueError("without RevIN the input radius depends on the data: pass r0= to certificate()")
         return self.patch.radius(*self.revin.affine_bounds())
 
-    def example_input(self, seq_len: Optional[int] = None) -> torch.Tensor:
-        """A random series ``(1, seq_len, n_vars)``; the look-back window is fixed, so ``seq_len`` is ignored."""
-        return torch.randn(1, self.seq_len, self.n_vars, generator=torch.Generator().manual_seed(0))
-
-    def certificate_seq_len(self) -> int:
-        return self.patch.num_patches
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x (B, seq_len, n_vars) -> forecast (B, pred_len, n_vars)``."""
-        if not isinstance(x, torch.Tensor) or x.ndim != 3 or x.shape[1] != self.seq_len or x.shape[2] != self.n_vars:
-            raise ValueError(f"x must have shape (batch, {self.seq_len}, {self.n_vars}), got "
-                             f"{tuple(getattr(x, 'shape', ()))}")
+        self._check_series(x)
         B = x.shape[0]
         if self.revin is not None:
             x, mean, std = self.revin.normalize(x)
