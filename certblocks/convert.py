@@ -229,10 +229,10 @@ class _HFGPT2QKNormAttention(_QKA):
                 attention_mask: Optional[torch.Tensor] = None, encoder_hidden_states: Any = None,
                 output_attentions: bool = False, **kwargs: Any) -> Tuple[torch.Tensor, None]:
         if cache is not None or kwargs.get("past_key_values") is not None:
-            raise NotImplementedError("a converted GPT-2 attention does not use HF's KV cache: call the model with "
-                                      "use_cache=False")
+            raise ValueError("past_key_values/cache: a converted GPT-2 attention does not use HF's KV cache; "
+                             "call the model with use_cache=False")
         if encoder_hidden_states is not None:
-            raise NotImplementedError("cross-attention is not converted")
+            raise ValueError("encoder_hidden_states: cross-attention is not converted; only self-attention is")
         mask = attention_mask
         if mask is not None and mask.ndim == 4 and mask.shape[-2] != hidden_states.shape[1]:
             mask = None
@@ -245,8 +245,8 @@ class _HFLinearGrowthMamba(_LGM):
     def forward(self, hidden_states: torch.Tensor, cache: Any = None,  # type: ignore[override]
                 attention_mask: Optional[torch.Tensor] = None, **kwargs: Any) -> torch.Tensor:
         if cache is not None or kwargs.get("cache_params") is not None:
-            raise NotImplementedError("a converted MambaMixer does not use HF's cache: call the model with "
-                                      "use_cache=False")
+            raise ValueError("cache_params: a converted MambaMixer does not use HF's cache; call the model with "
+                             "use_cache=False")
         mask = attention_mask
         if mask is not None and mask.ndim == 2 and mask.shape[1] == hidden_states.shape[1]:
             hidden_states = hidden_states * mask[:, :, None].to(hidden_states.dtype)

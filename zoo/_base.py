@@ -22,6 +22,7 @@ Defaults used for certification (each family documents its own ``r0`` and ``seq_
 
 from __future__ import annotations
 
+import abc
 import contextlib
 from typing import Any, Iterator, List, Optional, Tuple, Union
 
@@ -101,7 +102,7 @@ def single_thread() -> Iterator[None]:
         torch.set_num_threads(n)
 
 
-class ZooModel(nn.Module):
+class ZooModel(nn.Module, metaclass=abc.ABCMeta):
     """Base class of the zoo's models (see the module docstring).
 
     Subclasses set ``self.cert_dtype`` and call :meth:`_certify_or_refuse` at the end of
@@ -112,17 +113,17 @@ class ZooModel(nn.Module):
     cert_dtype: str = DEFAULT_CERT_DTYPE
 
     # -- to implement --------------------------------------------------------------------------------------
+    @abc.abstractmethod
     def residual_updates(self) -> List[Tuple[str, nn.Module]]:
         """``(module path, velocity)`` of each residual update, in depth order."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def input_radius(self) -> float:
         """A sound bound ``r0`` on the per-token norm of the state entering the first update."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def certificate_seq_len(self) -> int:
         """The number of residual-stream tokens the certificate is for (the longest input)."""
-        raise NotImplementedError
 
     # -- certificate ---------------------------------------------------------------------------------------
     def update_certificates(self, *, seq_len: Optional[int] = None) -> List[BlockCertificate]:

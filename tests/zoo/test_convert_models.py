@@ -199,3 +199,21 @@ def test_nanogpt_causal_self_attention():
     x2 = x.clone()
     x2[:, -1] += 1.0
     torch.testing.assert_close(rep.model(x2)[:, :-1], y[:, :-1])
+
+
+def test_converted_hf_gpt2_refuses_a_kv_cache_by_name():
+    tr = pytest.importorskip("transformers")
+    src = tr.GPT2Model(tr.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16)).eval()
+    rep = convert(src)
+    attn = rep.model.h[0].attn
+    with pytest.raises(ValueError, match="use_cache=False"):
+        attn(torch.randn(1, 4, 16), past_key_values=object())
+    with pytest.raises(ValueError, match="encoder_hidden_states"):
+        attn(torch.randn(1, 4, 16), encoder_hidden_states=torch.randn(1, 4, 16))
+
+
+def test_zoo_base_is_abstract():
+    from certblocks.zoo._base import ZooModel
+
+    with pytest.raises(TypeError, match="abstract"):
+        ZooModel()
