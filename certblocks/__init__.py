@@ -8,7 +8,7 @@ the largest finite value of the dtype.
 from typing import Any
 
 from .budget import float_max, jacobian_budget
-from .certificate import BlockCertificate, Depths, Failure, StackCertificate, certify_stack
+from .certificate import BlockCertificate, Depths, Failure, Peak, StackCertificate, certify_stack
 
 # convert and enforce are functions named like their modules, so they are imported eagerly: a lazy
 # attribute would be replaced by the module as soon as anything imports certblocks.convert/enforce.
@@ -73,6 +73,7 @@ __all__ = [
     "Depths",
     "Exponents",
     "Failure",
+    "Peak",
     "StackCertificate",
     "build_stack",
     "certify_stack",

@@ -207,7 +207,9 @@ class UpdateCoefficients:
     """The numbers of one residual update that the budgets need.
 
     ``sigma`` (and ``q``) may be ``None`` when not derived; the scans then stop
-    certifying at that update.
+    certifying at that update.  ``pq, pc, pb`` bound the update's largest
+    intermediate value, ``pc R^pq + pb`` at input radius ``R`` (``pq = None``: no
+    intermediate bound, only the state is checked).
     """
 
     q: float | None
@@ -216,13 +218,16 @@ class UpdateCoefficients:
     b: float = 0.0
     l1: float = 0.0
     l0: float = 1.0
+    pq: float | None = None
+    pc: float = 0.0
+    pb: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("q", "sigma"):
+        for name in ("q", "sigma", "pq"):
             v = getattr(self, name)
             if v is not None:
                 object.__setattr__(self, name, _real(name, v))
-        for name in ("c", "b", "l1", "l0"):
+        for name in ("c", "b", "l1", "l0", "pc", "pb"):
             object.__setattr__(self, name, _real(name, getattr(self, name)))
 
 
@@ -234,6 +239,14 @@ def _step_hi(R: float, u: UpdateCoefficients, dt: float) -> float:
 def _step_lo(R: float, u: UpdateCoefficients, dt: float) -> float:
     growth = _dn(_dn(u.c * _pow_dn(R, u.q)) + u.b)  # type: ignore[arg-type]
     return _dn(R + max(0.0, _dn(dt * max(0.0, growth))))
+
+
+def _peak_hi(R: float, u: UpdateCoefficients) -> float:
+    return _up(_up(u.pc * _pow_up(R, u.pq)) + u.pb)  # type: ignore[arg-type]
+
+
+def _peak_lo(R: float, u: UpdateCoefficients) -> float:
+    return _dn(_dn(u.pc * _pow_dn(R, u.pq)) + u.pb)  # type: ignore[arg-type]
 
 
 def _factor_hi(R: float, u: UpdateCoefficients, dt: float) -> float:
@@ -257,6 +270,11 @@ def _step_mp(R, u: UpdateCoefficients, dt):
     return R + _mp(dt) * (_mp(u.c) * Rq + _mp(u.b))
 
 
+def _peak_mp(R, u: UpdateCoefficients):
+    Rq = R ** _mp(u.pq) if u.pq not in (0.0, 1.0) else (R if u.pq == 1.0 else mpmath.mpf(1))  # type: ignore[operator]
+    return _mp(u.pc) * Rq + _mp(u.pb)
+
+
 def _factor_mp(R, u: UpdateCoefficients, dt):
     Rb = max(R, mpmath.mpf(1))
     Rs = Rb ** _mp(u.sigma) if u.sigma != 0.0 else mpmath.mpf(1)  # type: ignore[operator]
@@ -273,10 +291,12 @@ class StackScan:
         radii: ``R_0 .. R_n`` (upper bounds in float, ``inf`` past the float range).
         log_factors: ``log(1 + dt * L_k(R_k))`` per update (upper bounds; ``nan``
             where ``sigma`` is not derived).
-        forward_overflow: first ``D <= n`` with ``R_D >= M``, or ``None``.
+        forward_overflow: first ``D <= n`` at which the state (``R_D >= M``) or an
+            intermediate of update ``D - 1`` (``P(R_{D-1}) >= M``) reaches ``M``, or ``None``.
         backward_overflow: first ``D <= n`` at which the backward bound reaches
             ``M``, or ``None``.
         unknown: index of the first update whose ``q`` or ``sigma`` is not derived, or ``None``.
+        forward_intermediate: ``True`` when the forward overflow is an intermediate's.
     """
 
     radii: Tuple[float, ...]
@@ -285,6 +305,7 @@ class StackScan:
     backward_overflow: int | None
     unknown_q: int | None
     unknown_sigma: int | None
+    forward_intermediate: bool = False
 
 
 def _log_budget(M: float, lip_g: float) -> Tuple[float, float]:
@@ -312,10 +333,17 @@ def scan_stack(updates: Sequence[UpdateCoefficients], M: float, *, dt: float = 1
     s_lo = s_hi = 0.0  # enclosure of sum(log factors), compared against log(M / Lip(G))
     fwd: int | None = None
     bwd: int | None = None
+    inter = False
     ambiguous = False
     for k, u in enumerate(updates):
         if u.q is None:
             break
+        if fwd is None and u.pq is not None:  # the update's intermediates, computed from X_k
+            if _peak_lo(lo, u) >= M:
+                fwd, inter = k + 1, True
+            elif _peak_hi(hi, u) >= M:
+                ambiguous = True
+                break
         if u.sigma is not None:
             f_hi = _factor_hi(hi, u, dt)
             f_lo = _factor_lo(lo, u, dt)
@@ -343,7 +371,7 @@ def scan_stack(updates: Sequence[UpdateCoefficients], M: float, *, dt: float = 1
     # radii/factors past an unknown q stay undefined
     factors.extend([math.nan] * (n - len(factors)))
     radii.extend([math.inf] * (n + 1 - len(radii)))
-    return StackScan(tuple(radii), tuple(factors), fwd, bwd, unknown_q, unknown_sigma)
+    return StackScan(tuple(radii), tuple(factors), fwd, bwd, unknown_q, unknown_sigma, inter)
 
 
 def _scan_stack_mp(updates, M, *, dt, r0, lip_g, unknown_q, unknown_sigma) -> StackScan:
@@ -356,9 +384,12 @@ def _scan_stack_mp(updates, M, *, dt, r0, lip_g, unknown_q, unknown_sigma) -> St
         radii: List[float] = [r0]
         factors: List[float] = []
         fwd = bwd = None
+        inter = False
         for k, u in enumerate(updates):
             if u.q is None:
                 break
+            if fwd is None and u.pq is not None and _peak_mp(R, u) >= Mm:
+                fwd, inter = k + 1, True
             if u.sigma is not None:
                 f = _factor_mp(R, u, dt)
                 factors.append(_to_float_up(f))
@@ -373,7 +404,7 @@ def _scan_stack_mp(updates, M, *, dt, r0, lip_g, unknown_q, unknown_sigma) -> St
                 fwd = k + 1
     factors.extend([math.nan] * (n - len(factors)))
     radii.extend([math.inf] * (n + 1 - len(radii)))
-    return StackScan(tuple(radii), tuple(factors), fwd, bwd, unknown_q, unknown_sigma)
+    return StackScan(tuple(radii), tuple(factors), fwd, bwd, unknown_q, unknown_sigma, inter)
 
 
 def _to_float_up(x) -> float:
@@ -560,10 +591,15 @@ def _exact_geometric_crossing(terms: Callable[[], Tuple[mpmath.mpf, mpmath.mpf, 
 
 
 def forward_overflow_depth(q: float, c: float, b: float, dtype: object, *, dt: float = 1.0,
-                           r0: float = 1.0) -> Overflow:
-    """First depth at which the forward radius of a homogeneous stack reaches ``M``.
+                           r0: float = 1.0, peak: Tuple[float, float, float] | None = None) -> Overflow:
+    """First depth at which the forward pass of a homogeneous stack can reach ``M``.
 
     The stack repeats one block with ``||v(x)|| <= c ||x||^q + b`` without end.
+    Without ``peak`` this is the first ``D`` with ``R_D >= M`` (the state).  With
+    ``peak = (pq, pc, pb)``, a bound ``pc ||x||^pq + pb`` on every intermediate value
+    the block computes from its input ``x``, it is the first ``D`` at which the
+    state ``R_D`` or an intermediate of update ``D``, ``P(R_{D-1})``, reaches ``M``.
+
     Exact for ``q`` in ``{0, 1}`` (closed forms) and whenever the crossing comes
     within :data:`MAX_STEPS` steps; otherwise a sound lower bound (see :class:`Overflow`).
     """
@@ -572,34 +608,134 @@ def forward_overflow_depth(q: float, c: float, b: float, dtype: object, *, dt: f
     b = _real("b", b)
     M = float_max(dtype)
     dt, r0, _ = _check_run(M, dt, r0, 1.0)
-    if q == 0.0 or (q == 1.0 and c == 0.0):
+    pq = pc = pb = None
+    if peak is not None:
+        if not isinstance(peak, (tuple, list)) or len(peak) != 3:
+            raise TypeError(f"peak must be a tuple (pq, pc, pb) or None, got {peak!r}")
+        pq, pc, pb = _real("peak q", peak[0]), _real("peak c", peak[1]), _real("peak b", peak[2])
+    u = UpdateCoefficients(q=q, sigma=0.0, c=c, b=b, pq=pq, pc=pc or 0.0, pb=pb or 0.0)
+    if q == 0.0 or c == 0.0:  # R_D = r0 + D dt (c [q = 0] + b): linear in D
         inc = Fraction(c if q == 0.0 else 0.0) + Fraction(b)
-        return Overflow(_exact_linear_crossing(Fraction(r0), Fraction(dt) * inc, Fraction(M)))
-    if q == 1.0:
+        state = Overflow(_exact_linear_crossing(Fraction(r0), Fraction(dt) * inc, Fraction(M)))
+        radius = _linear_radius(Fraction(r0), Fraction(dt) * inc)
+    elif q == 1.0:
         def terms():
             shift = _mp(b) / _mp(c)
             return _mp(r0) + shift, mpmath.log1p(_mp(c) * _mp(dt)), _mp(M) + shift
 
-        return Overflow(_exact_geometric_crossing(terms))
-    u = UpdateCoefficients(q=q, sigma=0.0, c=c, b=b)
-    if c == 0.0 and b == 0.0:
-        return Overflow(math.inf)
-    if r0 == 0.0 and b == 0.0:
-        return Overflow(math.inf)  # the state stays at the origin
+        state = Overflow(_exact_geometric_crossing(terms))
+        radius = _geometric_radius(c, b, dt, r0)
+    else:
+        return _iterated_forward(u, M, dt, r0)
+    if u.pq is None:
+        return state
+    return _first_overflow(state, _peak_crossing(u, M, radius, state.depth))
+
+
+def _iterated_forward(u: UpdateCoefficients, M: float, dt: float, r0: float) -> Overflow:
+    """:func:`forward_overflow_depth` for ``q`` outside ``{0, 1}``: outward-rounded steps, then closed forms."""
+    if u.c == 0.0 and u.b == 0.0 or r0 == 0.0 and u.b == 0.0:  # the state never moves
+        if u.pq is None:
+            return Overflow(math.inf)
+        return Overflow(1 if _peak_reaches(u, M, lambda j: Fraction(r0), 0) else math.inf)
     hi = lo = r0
     for k in range(MAX_STEPS):
+        if u.pq is not None:
+            if _peak_lo(lo, u) >= M:
+                return Overflow(k + 1)
+            if _peak_hi(hi, u) >= M:
+                return Overflow(_homogeneous_forward_mp(u, M, dt, r0))
         hi, lo = _step_hi(hi, u, dt), _step_lo(lo, u, dt)
         if lo >= M:
             return Overflow(k + 1)
         if hi >= M:
             return Overflow(_homogeneous_forward_mp(u, M, dt, r0))
-    return Overflow(MAX_STEPS + _tail_steps_mp(q, c, b, hi, dt, M), exact=False)
+    tail = _tail_steps_mp(u.q, u.c, u.b, hi, dt, M)
+    if u.pq is not None:
+        tail = min(tail, _tail_steps_to_peak(u, hi, dt, M) + 1)
+    return Overflow(MAX_STEPS + tail, exact=False)
+
+
+def _peak_threshold_lo(u: UpdateCoefficients, M: float):
+    """A lower bound (mpmath) of the radius ``T`` at which ``pc T^pq + pb = M``."""
+    with mpmath.workprec(_PREC):
+        rest = _mp(M) - _mp(u.pb)
+        if rest <= 0:
+            return mpmath.mpf(0)
+        if u.pc == 0.0 or u.pq == 0.0:
+            return mpmath.inf if _mp(u.pc) < rest else mpmath.mpf(0)
+        return (rest / _mp(u.pc)) ** (1 / _mp(u.pq)) * (1 - mpmath.mpf(2) ** -200)
+
+
+def _tail_steps_to_peak(u: UpdateCoefficients, R: float, dt: float, M: float) -> int:
+    """Sound lower bound on the further steps before the radius reaches the peak threshold (0 if unsure)."""
+    T = _peak_threshold_lo(u, M)
+    if T == mpmath.inf:
+        return 2**64  # the intermediates never reach M: any bound past the state's tail will do
+    if _mp(R) >= T:
+        return 0
+    return _tail_steps_mp(u.q, u.c, u.b, R, dt, T)
+
+
+def _first_overflow(a: Overflow, b: Overflow) -> Overflow:
+    """The earlier of two overflows (a lower bound stays a lower bound)."""
+    if a.depth < b.depth:
+        return a
+    if b.depth < a.depth:
+        return b
+    return Overflow(a.depth, a.exact or b.exact)
+
+
+def _linear_radius(start: Fraction, step: Fraction) -> Callable[[int], Fraction]:
+    return lambda j: start + j * step
+
+
+def _geometric_radius(c: float, b: float, dt: float, r0: float) -> Callable[[int], mpmath.mpf]:
+    """``R_j = (r0 + b/c)(1 + c dt)^j - b/c`` in mpmath at the current precision."""
+    def radius(j: int):
+        shift = _mp(b) / _mp(c)
+        return (_mp(r0) + shift) * mpmath.exp(j * mpmath.log1p(_mp(c) * _mp(dt))) - shift
+    return radius
+
+
+def _peak_reaches(u: UpdateCoefficients, M: float, radius: Callable, j: int) -> bool:
+    """Whether ``P(R_j) >= M``: exact in rationals when possible, else with bits to spare for ``j``."""
+    with mpmath.workprec(_PREC + max(j, 1).bit_length()):
+        R = radius(j)
+        if isinstance(R, Fraction) and float(u.pq).is_integer():  # type: ignore[arg-type]
+            return Fraction(u.pc) * R ** int(u.pq) + Fraction(u.pb) >= Fraction(M)  # type: ignore[arg-type]
+        if isinstance(R, Fraction):
+            R = mpmath.mpf(R.numerator) / R.denominator
+        return _peak_mp(R, u) >= _mp(M)
+
+
+def _peak_crossing(u: UpdateCoefficients, M: float, radius: Callable, state_depth: Depth) -> Overflow:
+    """First ``D`` with ``P(R_{D-1}) >= M`` when it comes no later than ``state_depth`` (else ``inf``).
+
+    ``P(R_j)`` grows with ``j``, so the first crossing is found by bisection over
+    ``j < state_depth`` with the exact comparison of :func:`_peak_reaches`.
+    """
+    if state_depth == math.inf:  # the radius is constant (r0 = b = 0, or no growth)
+        return Overflow(1 if _peak_reaches(u, M, radius, 0) else math.inf)
+    hi = int(state_depth) - 1
+    if not _peak_reaches(u, M, radius, hi):
+        return Overflow(math.inf)
+    lo = -1  # invariant: P(R_lo) < M (lo = -1: none yet), P(R_hi) >= M
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _peak_reaches(u, M, radius, mid):
+            hi = mid
+        else:
+            lo = mid
+    return Overflow(hi + 1)
 
 
 def _homogeneous_forward_mp(u: UpdateCoefficients, M: float, dt: float, r0: float) -> int:
     with mpmath.workprec(_PREC):
         R, Mm = _mp(r0), _mp(M)
         for k in range(MAX_STEPS + 1):
+            if u.pq is not None and _peak_mp(R, u) >= Mm:
+                return k + 1
             R = _step_mp(R, u, dt)
             if R >= Mm:
                 return k + 1

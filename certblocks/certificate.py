@@ -2,7 +2,8 @@
 
 * :class:`BlockCertificate` -- one residual velocity ``v``: exponents ``(q, sigma)``
   and coefficients with ``||v(x)|| <= c ||x||^q + b`` and
-  ``sup_{||x|| <= R} ||dv(x)|| <= l1 max(R, 1)^sigma + l0``.
+  ``sup_{||x|| <= R} ||dv(x)|| <= l1 max(R, 1)^sigma + l0``; optionally a
+  :class:`Peak`, the bound on the largest value the block computes on the way.
 * :class:`Depths` -- the certified depths of a homogeneous stack of one block.
 * :class:`StackCertificate` -- a finite heterogeneous stack, update by update
   (:func:`certify_stack`).
@@ -20,7 +21,7 @@ from typing import Any, Dict, Sequence, Tuple, Union
 from . import budget as _budget
 from .exponents import Exponents
 
-__all__ = ["BlockCertificate", "Depths", "Failure", "StackCertificate", "certify_stack", "suggest_fix"]
+__all__ = ["BlockCertificate", "Depths", "Failure", "Peak", "StackCertificate", "certify_stack", "suggest_fix"]
 
 Depth = Union[int, float]
 
@@ -48,6 +49,54 @@ def _json_num(x: Any) -> Any:
 
 
 @dataclass(frozen=True)
+class Peak:
+    """Bound on the largest intermediate value of a block: ``c ||x||^q + b``.
+
+    The state bound alone does not make a forward pass finite: a block can compute
+    values far larger than its output on the way (attention's query-key logits grow
+    like ``kappa ||x||^2`` while the block's output grows like ``||x||``; a SwiGLU's
+    gated product like ``||x||^2`` before a small down-projection).  A block that
+    carries a peak promises that every entry of every tensor it computes from ``x``
+    (its output included) is at most ``c ||x||^q + b`` in absolute value, so the
+    forward depth also requires ``c R_k^q + b < M`` at each update's input radius.
+
+    Args:
+        q: exponent (``q = 2`` for query-key logits and bilinear gates).
+        c: coefficient.
+        b: offset.
+        what: the intermediate that attains the bound, for reports
+            (``"query-key logits"``).
+    """
+
+    q: float
+    c: float
+    b: float = 0.0
+    what: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("q", "c", "b"):
+            object.__setattr__(self, name, _budget._real(f"peak {name}", getattr(self, name)))
+        if not isinstance(self.what, str):
+            raise TypeError(f"what must be a str, got {self.what!r}")
+
+    def bound(self, radius: float) -> float:
+        """``c * radius^q + b`` (``inf`` past the float range)."""
+        if self.q == 0.0:
+            return self.c + self.b
+        try:
+            return self.c * float(radius) ** self.q + self.b
+        except OverflowError:
+            return math.inf
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"q": self.q, "c": self.c, "b": self.b, "what": self.what}
+
+    def __str__(self) -> str:
+        what = f" ({self.what})" if self.what else ""
+        return f"peak <= {_fmt_num(self.c)} ||x||^{_fmt_num(self.q)} + {_fmt_num(self.b)}{what}"
+
+
+@dataclass(frozen=True)
 class BlockCertificate:
     """The certificate of one residual velocity ``v`` (one update of a stack).
 
@@ -62,6 +111,9 @@ class BlockCertificate:
         culprit: the primitive responsible for the exponents, when known (reports).
         fix: a suggestion in words for lowering the exponents (reports); when
             empty, :func:`suggest_fix` writes one from the exponents.
+        peak: bound on the largest intermediate value (:class:`Peak`), or ``None``
+            when the block states none (then only the state is checked; every
+            shipped block states one).
 
     All coefficients are sound upper bounds in the per-token norm (THEORY.md section 1).
     """
@@ -75,8 +127,11 @@ class BlockCertificate:
     name: str = ""
     culprit: str = ""
     fix: str = ""
+    peak: Peak | None = None
 
     def __post_init__(self) -> None:
+        if self.peak is not None and not isinstance(self.peak, Peak):
+            raise TypeError(f"peak must be a Peak or None, got {type(self.peak).__name__}")
         e = Exponents(self.q, self.sigma)  # validates q and sigma
         object.__setattr__(self, "q", e.q)
         object.__setattr__(self, "sigma", e.sigma)
@@ -103,8 +158,15 @@ class BlockCertificate:
             return math.inf
         return self.l1 * max(radius, 1.0) ** self.sigma + self.l0
 
+    def peak_bound(self, radius: float) -> float | None:
+        """The bound on the block's largest intermediate at input radius ``radius`` (``None``: no peak)."""
+        return None if self.peak is None else self.peak.bound(radius)
+
     def _coefficients(self) -> _budget.UpdateCoefficients:
-        return _budget.UpdateCoefficients(self.q, self.sigma, self.c, self.b, self.l1, self.l0)
+        p = self.peak
+        return _budget.UpdateCoefficients(self.q, self.sigma, self.c, self.b, self.l1, self.l0,
+                                          None if p is None else p.q, 0.0 if p is None else p.c,
+                                          0.0 if p is None else p.b)
 
     def depths(self, dtype: object, *, dt: float = 1.0, r0: float = 1.0, lip_g: float = 1.0) -> Depths:
         """Certified depths of a stack repeating this block without end.
@@ -119,7 +181,8 @@ class BlockCertificate:
         M = _budget.float_max(name)
         fwd = bwd = None
         if self.q is not None:
-            fwd = _budget.forward_overflow_depth(self.q, self.c, self.b, name, dt=dt, r0=r0)
+            peak = None if self.peak is None else (self.peak.q, self.peak.c, self.peak.b)
+            fwd = _budget.forward_overflow_depth(self.q, self.c, self.b, name, dt=dt, r0=r0, peak=peak)
             if self.sigma is not None:
                 bwd = _budget.backward_overflow_depth(self.q, self.sigma, self.c, self.b, self.l1, self.l0, name,
                                                       dt=dt, r0=r0, lip_g=lip_g)
@@ -129,7 +192,8 @@ class BlockCertificate:
 
     def to_dict(self) -> Dict[str, Any]:
         return {"name": self.name, "q": self.q, "sigma": self.sigma, "c": self.c, "b": self.b,
-                "l1": self.l1, "l0": self.l0, "culprit": self.culprit, "fix": self.fix}
+                "l1": self.l1, "l0": self.l0, "culprit": self.culprit, "fix": self.fix,
+                "peak": None if self.peak is None else self.peak.to_dict()}
 
     def to_json(self, **kwargs: Any) -> str:
         return json.dumps(self.to_dict(), **kwargs)
@@ -137,8 +201,9 @@ class BlockCertificate:
     def __str__(self) -> str:
         label = f"{self.name}: " if self.name else ""
         growth = f"||v(x)|| <= {_fmt_num(self.c)} ||x||^{_fmt_num(self.q)} + {_fmt_num(self.b)}"
+        peak = "" if self.peak is None else f", {self.peak}"
         return (f"{label}{self.exponents}, {growth}, "
-                f"L(R) <= {_fmt_num(self.l1)} R^{_fmt_num(self.sigma)} + {_fmt_num(self.l0)}")
+                f"L(R) <= {_fmt_num(self.l1)} R^{_fmt_num(self.sigma)} + {_fmt_num(self.l0)}{peak}")
 
 
 @dataclass(frozen=True)
@@ -148,7 +213,8 @@ class Depths:
     Attributes:
         dtype: canonical dtype name.
         max_value: the dtype's largest finite value ``M``.
-        forward: ``D_F``, the largest depth whose forward bound stays below ``M``.
+        forward: ``D_F``, the largest depth whose forward bound (the state and, for a
+            block with a :class:`Peak`, its intermediates) stays below ``M``.
         backward: ``D_grad``, the largest depth whose backward bound stays below ``M``.
         certified: ``min(D_F, D_grad)``.
         forward_overflow: ``D_F + 1``, the first depth at which the forward bound reaches ``M``.
@@ -197,8 +263,15 @@ def suggest_fix(cert: BlockCertificate, kind: str) -> str:
 
     Args:
         cert: the failing update's certificate.
-        kind: ``"forward"``, ``"backward"`` or ``"unknown"``.
+        kind: ``"forward"``, ``"backward"``, ``"intermediate"`` (an intermediate
+            reaches ``M`` before the state does) or ``"unknown"``.
     """
+    if kind == "intermediate":
+        what = cert.peak.what if cert.peak is not None and cert.peak.what else "the largest intermediate"
+        order = f" (it grows like ||x||^{cert.peak.q:g})" if cert.peak is not None else ""
+        hint = (" -- normalize queries and keys (QK-norm bounds the logits)" if "logit" in what else
+                " -- normalize or bound the inputs of the product that makes it")
+        return f"bound {what}{order}{hint}; or use a wider dtype, a smaller input radius or fewer updates"
     if cert.fix:
         return cert.fix
     if kind == "unknown":
@@ -304,14 +377,16 @@ class StackCertificate:
         log_budget = math.log(self.max_value) - math.log(self.lip_g)
         head = (f"stack of {self.depth} updates, {self.dtype} (M = {self.max_value:.4g}), dt = {self.dt:g}, "
                 f"r0 = {self.r0:g}, Lip(G) = {self.lip_g:g}; backward budget log(M/Lip G) = {log_budget:.4g}")
-        cols = ("k", "update", "(q, sigma)", "c", "b", "l1", "l0", "R_k", "log(1+dt L_k)", "cum. log")
+        cols = ("k", "update", "(q, sigma)", "c", "b", "l1", "l0", "R_k", "peak P_k(R_k)", "log(1+dt L_k)",
+                "cum. log")
         rows = []
         cum = 0.0
         for k, u in enumerate(self.updates):
             f = self.log_factors[k]
             cum = cum + f if not math.isnan(f) else math.nan
             rows.append((str(k), u.name or "-", f"({_fmt_num(u.q)}, {_fmt_num(u.sigma)})", _fmt_num(u.c),
-                         _fmt_num(u.b), _fmt_num(u.l1), _fmt_num(u.l0), _fmt_num(self.radii[k]), _fmt_num(f),
+                         _fmt_num(u.b), _fmt_num(u.l1), _fmt_num(u.l0), _fmt_num(self.radii[k]),
+                         "-" if u.peak is None else _fmt_num(u.peak_bound(self.radii[k])), _fmt_num(f),
                          _fmt_num(cum)))
         widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
         line = lambda r: "  ".join(s.rjust(w) if i != 1 else s.ljust(w) for i, (s, w) in enumerate(zip(r, widths)))
@@ -385,6 +460,12 @@ def _failure(certs, dtype, depth, scan, unknown, fwd_depth, bwd_depth) -> Failur
         missing = "q and sigma" if cert.q is None and cert.sigma is None else ("q" if cert.q is None else "sigma")
         reason = f"{_describe(k, cert)} has {missing} not derived"
         return Failure(k, cert.name, "unknown", reason, suggest_fix(cert, "unknown"))
+    if fwd_depth <= bwd_depth and scan.forward_intermediate and k + 1 == scan.forward_overflow:
+        what = cert.peak.what if cert.peak is not None and cert.peak.what else "an intermediate value"
+        reason = (f"{what} of {_describe(k, cert)} can reach M = {M:.4g} at depth {k + 1}: its bound "
+                  f"{_fmt_num(cert.peak_bound(scan.radii[k]))} at the input radius R_{k} = {_fmt_num(scan.radii[k])} "
+                  "(the state itself stays below M there)")
+        return Failure(k, cert.name, "forward", reason, suggest_fix(cert, "intermediate"))
     if fwd_depth <= bwd_depth:
         reason = f"the forward bound reaches M = {M:.4g} at depth {k + 1}, after {_describe(k, cert)}"
         # A superlinear update upstream is the culprit of a forward failure: name the first with the largest q.

@@ -70,6 +70,7 @@ Use::
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 import os
 import warnings
@@ -138,8 +139,7 @@ class ResidualUpdates:
                     raise ValueError(f"update {name!r} ({type(m).__name__}) needs the sequence length for its "
                                      "certificate: pass seq_len=") from e
                 raise
-            out.append(BlockCertificate(cert.q, cert.sigma, c=cert.c, b=cert.b, l1=cert.l1, l0=cert.l0, name=name,
-                                        culprit=cert.culprit, fix=cert.fix))
+            out.append(dataclasses.replace(cert, name=name))
         return out
 
 

@@ -8,6 +8,7 @@ stack is not certified at its depth for the chosen dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any, Iterable, List, Sequence, Tuple, Union
 
@@ -82,8 +83,7 @@ def _split(blocks: Iterable[BlockSpec], seq_len: int | None
                              "update needs its own module (weights shared across depth are not supported)")
         seen[id(module)] = k
         if not cert.name:
-            cert = BlockCertificate(cert.q, cert.sigma, cert.c, cert.b, cert.l1, cert.l0,
-                                    name=f"{k}:{type(module).__name__}", culprit=cert.culprit, fix=cert.fix)
+            cert = dataclasses.replace(cert, name=f"{k}:{type(module).__name__}")
         modules.append(module)
         certs.append(cert)
     if not modules:
@@ -141,8 +141,7 @@ class CertifiedStack(nn.Module):
         for k, (block, fixed) in enumerate(zip(self.blocks, self._explicit)):
             cert = fixed if fixed is not None else block_certificate(block, seq_len=self.seq_len)
             if not cert.name:
-                cert = BlockCertificate(cert.q, cert.sigma, cert.c, cert.b, cert.l1, cert.l0,
-                                        name=f"{k}:{type(block).__name__}", culprit=cert.culprit, fix=cert.fix)
+                cert = dataclasses.replace(cert, name=f"{k}:{type(block).__name__}")
             certs.append(cert)
         self.certificate = certify_stack(certs, self.dtype, dt=self.dt, r0=self.r0, lip_g=self.lip_g)
         if strict and not self.certificate.ok:

@@ -6,6 +6,7 @@ import math
 import random
 from fractions import Fraction
 
+import mpmath
 import pytest
 import torch
 from hypothesis import given, settings
@@ -311,3 +312,98 @@ def test_tiny_rates_give_exact_huge_depths():
         assert base**D >= M > base ** (D - 1)
         base, M = 1 + mpmath.mpf(1e-200), mpmath.mpf(float_max("fp16"))
         assert base**G >= M > base ** (G - 1)
+
+
+# ----------------------------------------------------------------------------- intermediates (peaks)
+
+
+def exact_forward_with_peak(q, c, b, pq, pc, pb, dt, r0, M, cap):
+    """First D at which the state R_D or the intermediate bound P(R_{D-1}) reaches M (rationals)."""
+    R = r0
+    for k in range(cap):
+        if pc * R**pq + pb >= M:
+            return k + 1
+        R = R + dt * (c * R**q + b)
+        if R >= M:
+            return k + 1
+    return None
+
+
+@settings(max_examples=150, deadline=None)
+@given(q=st.sampled_from([0, 1, 2]), c=dyadic, b=dyadic, pq=st.sampled_from([0, 1, 2, 3]),
+       pc=st.integers(min_value=0, max_value=4096).map(lambda k: k / 16), pb=dyadic,
+       dt=st.sampled_from([0.25, 0.5, 1.0]), r0=dyadic, dtype=st.sampled_from(["fp16", "fp8_e4m3", "bf16"]))
+def test_forward_depth_with_peak_equals_exact_rational_recursion(q, c, b, pq, pc, pb, dt, r0, dtype):
+    M = float_max(dtype)
+    F = Fraction
+    want = exact_forward_with_peak(q, F(c), F(b), pq, F(pc), F(pb), F(dt), F(r0), F(M), _cap(q))
+    got = forward_overflow_depth(q, c, b, dtype, dt=dt, r0=r0, peak=(pq, pc, pb))
+    plain = forward_overflow_depth(q, c, b, dtype, dt=dt, r0=r0)
+    assert got.depth <= plain.depth  # a peak can only lower the depth
+    if want is None:
+        assert got.depth > _cap(q)
+    else:
+        assert got.depth == want and got.exact
+
+
+def test_peak_of_attention_logits_sets_the_depth_exactly():
+    # q = 1 state (R_k = 3^k r0) with logits kappa R^2: in bf16 the logits reach M about half-way to the state.
+    M = Fraction(float_max("bf16"))
+    kappa = 0.75
+    got = forward_overflow_depth(1, 2.0, 0.0, "bf16", r0=100.0, peak=(2, kappa, 0.0))
+    j = 0
+    while Fraction(kappa) * (100 * Fraction(3) ** j) ** 2 < M:
+        j += 1
+    assert got.depth == j + 1 and got.exact
+    assert got.depth < forward_overflow_depth(1, 2.0, 0.0, "bf16", r0=100.0).depth
+    # huge depths (tiny growth rates, fp64) are still exact: the bisection runs on the closed form
+    big = forward_overflow_depth(1, 1e-12, 0.0, "fp64", peak=(2, 1.0, 0.0))
+    R = lambda D: mpmath.mpf(1) * mpmath.exp(D * mpmath.log1p(mpmath.mpf(1e-12)))  # noqa: E731
+    with mpmath.workprec(400):
+        assert R(big.depth - 1) ** 2 >= mpmath.mpf(float_max("fp64")) > R(big.depth - 2) ** 2
+
+
+def test_peak_ties_count_as_reaching():
+    # R_j = 1 + j; P(R) = 7 R^2 reaches M = 448 = 7 * 8^2 exactly at R_7 = 8: overflow at D = 8.
+    assert forward_overflow_depth(0, 1.0, 0.0, "fp8_e4m3", peak=(2, 7.0, 0.0)).depth == 8
+    assert forward_overflow_depth(0, 1.0, 0.0, "fp8_e4m3", peak=(2, 6.999, 0.0)).depth == 9
+
+
+def test_peak_past_the_recursion_gives_a_sound_lower_bound():
+    # q = 3/2 with a small coefficient runs past MAX_STEPS; the intermediate (a large multiple of R) binds first.
+    got = forward_overflow_depth(1.5, 2e-5, 0.0, "fp16", peak=(1, 1e3, 0.0))
+    assert not got.exact and got.depth > budget.MAX_STEPS
+    R, D = 1.0, 0
+    while True:  # the crossing by brute force (about 90,000 steps; float rounding is far below the slack)
+        D += 1
+        if 1000 * R >= 65504:
+            break
+        R = R + 2e-5 * R**1.5
+    assert budget.MAX_STEPS < got.depth <= D
+    assert got.depth < forward_overflow_depth(1.5, 2e-5, 0.0, "fp16").depth
+
+
+def test_scan_stack_checks_each_updates_peak_at_its_input_radius():
+    rng = random.Random(11)
+    M = float_max("fp16")
+    F = Fraction
+    for _ in range(80):
+        n = rng.randint(1, 30)
+        ups = []
+        for _ in range(n):
+            pq = rng.choice([None, 0, 1, 2])
+            ups.append(UpdateCoefficients(rng.choice([0, 1, 1]), 0, rng.randint(0, 48) / 32, rng.randint(0, 8) / 32,
+                                          0.0, 1.0, pq, rng.randint(0, 4096) / 16 if pq is not None else 0.0,
+                                          rng.randint(0, 64) / 4 if pq is not None else 0.0))
+        scan = scan_stack(ups, M, dt=0.5, r0=1.0)
+        R, fwd, inter = F(1), None, False
+        for k, u in enumerate(ups):
+            if u.pq is not None and F(u.pc) * R ** int(u.pq) + F(u.pb) >= M:
+                fwd, inter = k + 1, True
+                break
+            R = R + F(1, 2) * (F(u.c) * R ** int(u.q) + F(u.b))
+            if R >= M:
+                fwd = k + 1
+                break
+        assert scan.forward_overflow == fwd
+        assert scan.forward_intermediate == inter

@@ -144,3 +144,44 @@ def test_lip_g_shifts_the_backward_budget():
     assert not certify_stack([cert] * 15, "fp16", lip_g=4.0).ok  # 4 * 2^14 = 65536 >= M
     assert certify_stack([cert] * 14, "fp16", lip_g=3.99).ok
     assert float_max("fp16") < 4 * 2**14
+
+
+# ----------------------------------------------------------------------------- peaks (intermediates)
+
+
+def test_peak_lowers_the_forward_depth_and_names_the_intermediate():
+    from certblocks import Peak
+
+    logits = Peak(2, 0.5, 0.0, what="query-key logits")
+    plain = BlockCertificate(1, 2, c=2.0, l1=0.0, l0=0.0, name="attn")
+    peaked = BlockCertificate(1, 2, c=2.0, l1=0.0, l0=0.0, name="attn", peak=logits)
+    assert peaked.depths("bf16", r0=100.0).forward < plain.depths("bf16", r0=100.0).forward
+    n = plain.depths("bf16", r0=100.0).forward
+    s = certify_stack([peaked] * n, "bf16", r0=100.0)
+    assert not s.ok and s.forward_depth == peaked.depths("bf16", r0=100.0).forward
+    f = s.first_failure
+    assert f.kind == "forward" and "query-key logits" in f.reason and "QK-norm" in f.fix
+    assert certify_stack([plain] * n, "bf16", r0=100.0).ok
+    assert peaked.to_dict()["peak"] == {"q": 2.0, "c": 0.5, "b": 0.0, "what": "query-key logits"}
+    assert "peak <= 0.5 ||x||^2" in str(peaked) and "peak P_k(R_k)" in s.explain()
+    assert peaked.peak_bound(10.0) == 50.0 and plain.peak_bound(10.0) is None
+
+
+def test_stack_depth_with_peaks_matches_homogeneous_depth():
+    from certblocks import Peak
+
+    for peak in (Peak(2, 1e-3), Peak(1, 40.0, 3.0), Peak(0, 1.0, 2.0)):
+        cert = BlockCertificate(1, 0, c=0.5, b=0.25, l1=0.0, l0=0.5, peak=peak)
+        for dtype in ("fp16", "bf16"):
+            d = cert.depths(dtype, r0=2.0)
+            s = certify_stack([cert] * (d.forward + 1), dtype, r0=2.0)
+            assert s.forward_depth == d.forward
+
+
+def test_peak_validation():
+    from certblocks import Peak
+
+    with pytest.raises(ValueError, match="peak c"):
+        Peak(1, -1.0)
+    with pytest.raises(TypeError, match="peak must be a Peak"):
+        BlockCertificate(1, 0, peak=(1, 2, 3))

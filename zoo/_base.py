@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 from typing import Any, Iterator, List, Optional, Tuple, Union
 
 import torch
@@ -41,8 +42,7 @@ DEFAULT_CERT_DTYPE = "bf16"
 
 def renamed(cert: BlockCertificate, name: str) -> BlockCertificate:
     """``cert`` with ``name`` as its label."""
-    return BlockCertificate(cert.q, cert.sigma, c=cert.c, b=cert.b, l1=cert.l1, l0=cert.l0, name=name,
-                            culprit=cert.culprit, fix=cert.fix)
+    return dataclasses.replace(cert, name=name)
 
 
 def check_bool(name: str, value: Any) -> bool:

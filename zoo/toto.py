@@ -22,6 +22,7 @@ Certificate defaults: ``r0 = ||W_embed|| sqrt(context) + ||b_embed||`` (a standa
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -64,8 +65,7 @@ class AxisAttention(nn.Module):
 
     def certificate(self, *, seq_len: Optional[int] = None, r0: Optional[float] = None) -> BlockCertificate:
         c = self.attn.certificate()
-        return BlockCertificate(c.q, c.sigma, c=c.c, b=c.b, l1=c.l1, l0=c.l0, name=f"{self.axis}-attention",
-                                culprit=c.culprit, fix=c.fix)
+        return dataclasses.replace(c, name=f"{self.axis}-attention")
 
 
 class TotoStyleLayer(nn.Module):
