@@ -176,8 +176,12 @@ class NormedUpdate(nn.Module):
         else:
             a_out, g_out = norm_bounds(self.norm_out)
             c, l0 = a_out, g_out * l_branch * g_in
+        from certblocks.blocks._coeffs import normalized_peak
+
+        peak = normalized_peak(inner.peak, inner.q, inner.c, inner.b, a_in, c,
+                               f"branch intermediates at the normalized radius ({self.placement}-{self.norm_kind})")
         return BlockCertificate(0.0, 0.0, c=c, b=0.0, l1=0.0, l0=l0, name=f"{self.placement}-{self.norm_kind}",
-                                culprit=f"{self.placement}-{self.norm_kind} norm bounds the branch input")
+                                culprit=f"{self.placement}-{self.norm_kind} norm bounds the branch input", peak=peak)
 
 
 class SeriesForecasterMixin:

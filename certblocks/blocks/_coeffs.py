@@ -18,9 +18,11 @@ computed on a fine grid in float64 and rounded outward; ``tests/blocks`` re-chec
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Tuple
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
+
+from ..certificate import Peak
 
 __all__ = [
     "ACT_DERIVATIVE_RANGE",
@@ -32,6 +34,9 @@ __all__ = [
     "vec_inf_norm",
     "sandwich_norm",
     "act_lipschitz",
+    "fold_peak",
+    "peak_poly",
+    "normalized_peak",
 ]
 
 #: Relative slack on every computed float64 norm (rounding of the SVD / sums).
@@ -171,3 +176,50 @@ def product_norm(a: torch.Tensor, b: torch.Tensor) -> float:
     ra = torch.linalg.qr(a64, mode="r")[1]
     rb = torch.linalg.qr(b64.T, mode="r")[1]
     return op_norm(ra @ rb.T)
+
+
+def fold_peak(polys: Sequence[Mapping[float, float]], what: str) -> Peak:
+    """One :class:`~certblocks.certificate.Peak` bounding several polynomial bounds in ``R = ||x||``.
+
+    Each mapping ``{power: coefficient}`` (non-negative) bounds one intermediate; the peak is their
+    coefficient-wise maximum, with the middle powers folded into the top one and the constant by
+    ``R^p <= R^top + 1`` (``0 < p < top``, any ``R >= 0``), so it stays a sound bound for every ``R``.
+
+    Args:
+        polys: the intermediates' bounds.
+        what: the intermediate that dominates at large ``R`` (reports).
+    """
+    merged: Dict[float, float] = {}
+    for poly in polys:
+        for p, coef in poly.items():
+            if p < 0 or coef < 0 or not math.isfinite(coef):
+                raise ValueError(f"peak polynomial terms must be finite and non-negative, got {p}: {coef}")
+            merged[float(p)] = max(merged.get(float(p), 0.0), float(coef))
+    top = max((p for p, coef in merged.items() if coef > 0), default=0.0)
+    middle = math.fsum(coef for p, coef in merged.items() if 0.0 < p < top)
+    c = merged.get(top, 0.0) + middle if top > 0 else 0.0
+    b = merged.get(0.0, 0.0) + middle if top > 0 else merged.get(0.0, 0.0)
+    return Peak(top, c * _SLACK, b * _SLACK, what=what)
+
+
+def peak_poly(peak: Optional[Peak], q: Optional[float] = None, c: float = 0.0, b: float = 0.0) -> Dict[float, float]:
+    """``{power: coefficient}`` of a block's peak, or of its growth bound ``c R^q + b`` when it has none."""
+    if peak is not None:
+        return {peak.q: peak.c, 0.0: peak.b}
+    if q is None:
+        raise ValueError("a block without exponents has no intermediate bound")
+    return {q: c, 0.0: b}
+
+
+def normalized_peak(branch_peak: Optional[Peak], branch_q: Optional[float], branch_c: float, branch_b: float,
+                    a_in: float, c_out: float, what: str) -> Peak:
+    """Peak of a normalized update ``N_out(F(N_in(x)))``: every intermediate is a constant.
+
+    ``N_in(x)`` is at most ``a_in``; the branch's intermediates at most its peak (or growth bound) at
+    radius ``a_in``; the output at most ``c_out``.  The normalization itself is a primitive: its sum
+    of squares runs in float32 or wider (torch's kernels, certblocks' norms), and should it overflow
+    (past ``||x|| ~ 1.8e19``) the normalized value becomes 0, not inf or NaN.
+    """
+    poly = peak_poly(branch_peak, branch_q, branch_c, branch_b)
+    inner = math.fsum(coef * (a_in ** p if p != 0.0 else 1.0) for p, coef in poly.items())
+    return Peak(0.0, 0.0, max(a_in, inner, c_out) * _SLACK, what=what)

@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..certificate import BlockCertificate
+from ..certificate import BlockCertificate, Peak
 from ..exponents import ATTENTION, QK_NORM_ATTENTION, Exponents
 from . import _coeffs
 
@@ -377,10 +377,12 @@ class _SelfAttention(nn.Module):
         bo = None if bo is None else bo.detach().double().cpu()
         wq, wk, wv = w[:D], w[D:2 * D], w[2 * D:]
         bq = None if b is None else b[:D]
+        bk = None if b is None else b[D:2 * D]
         bv = None if b is None else b[2 * D:]
         sl = [slice(h * hd, (h + 1) * hd) for h in range(H)]
         return {"wq": [wq[s] for s in sl], "wk": [wk[s] for s in sl], "wv": [wv[s] for s in sl],
                 "wo": [wo[:, s] for s in sl], "bq": None if bq is None else [bq[s] for s in sl],
+                "bk": None if bk is None else [bk[s] for s in sl], "w_in": w, "b_in": b,
                 "wo_full": wo, "wv_full": wv, "bv_full": bv, "bo": bo}
 
     def _value_coefficients(self, hw: Dict[str, Any], seq_len: Optional[int]) -> Tuple[float, float, list]:
@@ -440,7 +442,32 @@ class _SelfAttention(nn.Module):
             culprit = f"QK-normalized ({self.qk_norm}) attention: Jacobian ~ R through the spread of the values"
             fix = ""
         return BlockCertificate(e.q, e.sigma, c=c, b=b, l1=l1, l0=l0, name=type(self).__name__,
-                                culprit=culprit, fix=fix)
+                                culprit=culprit, fix=fix, peak=self._peak(hw, c, b))
+
+    def _peak(self, hw: Dict[str, Any], c: float, b: float) -> Peak:
+        """Bound on every value the forward computes: q/k/v, the query-key products, the output.
+
+        The query-key products are bounded before the logit scale (``max(1, s)`` covers kernels that
+        scale after the product).  Subtracting the row maximum inside the softmax may round a far-below
+        logit to ``-inf``; its exponential is then an exact 0, which is harmless.
+        """
+        qkv = {1.0: _coeffs.op_norm(hw["w_in"]), 0.0: _coeffs.vec_norm(hw["b_in"])}
+        out = {1.0: c, 0.0: b}
+        probs = {0.0: 1.0}  # the softmax
+        s = max(1.0, self.scale)
+        if self.qk_norm is None:
+            H = self.num_heads
+            kappa = max(_coeffs.product_norm(wq.T, wk) for wq, wk in zip(hw["wq"], hw["wk"]))
+            bq = hw["bq"] if hw["bq"] is not None else [None] * H
+            bk = hw["bk"] if hw["bk"] is not None else [None] * H
+            cross = max(_coeffs.vec_norm(None if bqh is None else wk.T @ bqh)
+                        + _coeffs.vec_norm(None if bkh is None else wq.T @ bkh)
+                        for wq, wk, bqh, bkh in zip(hw["wq"], hw["wk"], bq, bk))
+            const = max(_coeffs.vec_norm(bqh) * _coeffs.vec_norm(bkh) for bqh, bkh in zip(bq, bk))
+            logits = {2.0: s * kappa, 1.0: s * cross, 0.0: s * const}
+            return _coeffs.fold_peak([qkv, logits, out, probs], "query-key logits")
+        logits = {0.0: s * self.q_norm.output_bound() * self.k_norm.output_bound()}
+        return _coeffs.fold_peak([qkv, logits, out, probs], "q/k/v projection")
 
     # -- conversion -----------------------------------------------------------------------------------------
     @classmethod

@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels as _kernels
-from ..certificate import BlockCertificate
+from ..certificate import BlockCertificate, Peak
 from ..exponents import LINEAR_GROWTH_MAMBA, MAMBA_SSM, Exponents
+from . import _coeffs
 
 __all__ = ["LinearGrowthMamba", "Mamba", "DEFAULT_EPS", "SILU_LIPSCHITZ"]
 
@@ -545,6 +546,11 @@ def _pscale(s: float, p: Poly) -> Poly:
     return [s * a for a in p]
 
 
+def _poly_peak(polys: List[Poly], what: str) -> Peak:
+    """The :class:`~certblocks.certificate.Peak` of intermediates bounded by polynomials in ``R`` (with margin)."""
+    return _coeffs.fold_peak([{float(i): coef * _MARGIN for i, coef in enumerate(p)} for p in polys], what)
+
+
 def _fold_growth(p: Poly, q: int, t: float) -> Tuple[float, float]:
     """``(c, b)`` with ``sum_k p_k rho^k <= c rho^q + b`` for all ``rho >= 0`` (``deg p <= q``).
 
@@ -669,9 +675,15 @@ class Mamba(_MambaMixer):
         )
         jac = _pscale(k["Wout"], _padd(_pscale(SILU_LIPSCHITZ * k["Wz"], Y), _pmul(Z, dY)))
         l1, l0 = _fold_jacobian(jac, 5)
+        # intermediates: in_proj (x and z halves), the scan input U, x_proj's outputs (delta before and
+        # after softplus, B, C), the state h_t (at most L steps of delta B u), y, the gated y, the output
+        xproj = _pscale(_spectral_norm(torch.cat([w["W_dt"], w["W_B"], w["W_C"]])), U)
+        state = _pscale(float(L), _pmul(Bn, Delta, U))
+        peak = _poly_peak([[float(w["b_x"].norm()), _spectral_norm(w["W_x"])], Z, U, xproj, Delta, Bn, Cn, state, Y,
+                           _pmul(Z, Y), growth, [1.0]], "selective-scan state and output (degree 5 in ||x||)")
         return BlockCertificate(
             5, 5, c=c * _MARGIN, b=b * _MARGIN, l1=l1 * _MARGIN, l0=l0 * _MARGIN,
-            name=self._cert_name(),
+            name=self._cert_name(), peak=peak,
             culprit="selective scan of the un-normalized x: delta*B*x (q=3), C*h (q=4), SiLU(z) gate (q=5)",
             fix="use LinearGrowthMamba (same weights): x_proj reads x/||x|| per token and the gate is sigmoid(z)",
         )
@@ -786,8 +798,16 @@ class LinearGrowthMamba(_MambaMixer):
         per_U = WCB * nu * e_u * (S + S_A) + 0.25 * k["Wz"] * K1  # multiplies U = a R + b_c
         l1 = k["Wout"] * per_U * a
         l0 = k["Wout"] * (lin + per_U * b_c)
+        # intermediates: in_proj (x and z halves), the scan input U = a R + b_c, x_proj's outputs from the
+        # normalized p (||p|| < 1: delta before softplus <= max ||M_i|| + |dt_b|, after <= dmax, B, C), the
+        # state ||h_t|| <= ||W_B|| S U, y and the gated y (<= K1 U), the output
+        xproj = _spectral_norm(torch.cat([w["W_dt"], w["W_B"], w["W_C"]]))
+        consts = [xproj, float(mrow.max() + w["dt_b"].abs().max()), float(dmax.max()), 1.0]  # 1: decays, gate
+        peak = _poly_peak([[float(w["b_x"].norm()), _spectral_norm(w["W_x"])], [k["bz"], k["Wz"]], [b_c, a],
+                           [max(consts)], [k["WB"] * S * b_c, k["WB"] * S * a], [K1 * b_c, K1 * a], [b, c]],
+                          "selective-scan state h_t (at most seq_len steps of delta B u)")
         return BlockCertificate(
-            1, 1, c=c * _MARGIN, b=b * _MARGIN, l1=l1 * _MARGIN, l0=l0 * _MARGIN, name=self._cert_name(),
+            1, 1, c=c * _MARGIN, b=b * _MARGIN, l1=l1 * _MARGIN, l0=l0 * _MARGIN, name=self._cert_name(), peak=peak,
             culprit="selective scan: C_t and the decays read x_t/||x_t|| while the state holds un-normalized x "
                     "(sigma = 1)",
         )

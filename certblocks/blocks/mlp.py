@@ -135,8 +135,11 @@ class MLP(nn.Module):
         dlo, dhi = _coeffs.ACT_DERIVATIVE_RANGE[self.act]
         l0 = _coeffs.sandwich_norm(w2, w1, dlo, dhi, a_norm=n2, b_norm=n1)
         e = type(self).exponents
+        # intermediates: h = W1 x + b1 and |act(h)| <= |h| entrywise (GELU, ReLU, SiLU); then the output
+        hidden = {1.0: n1, 0.0: _coeffs.vec_norm(self.fc1.bias)}
+        peak = _coeffs.fold_peak([hidden, {1.0: c, 0.0: b}], "hidden pre-activation W1 x + b1")
         return BlockCertificate(e.q, e.sigma, c=c, b=b, l1=0.0, l0=l0, name="MLP",
-                                culprit=f"Lipschitz activation {self.act}")
+                                culprit=f"Lipschitz activation {self.act}", peak=peak)
 
     @classmethod
     def from_module(cls, src: nn.Module, **overrides: Any) -> MLP:
@@ -257,6 +260,8 @@ class GatedMLP(nn.Module):
         bg2, bu2 = _coeffs.vec_norm(bg), _coeffs.vec_norm(bu)
         bgi, bui = _coeffs.vec_inf_norm(bg), _coeffs.vec_inf_norm(bu)
         nb2 = _coeffs.vec_norm(b2)
+        # intermediates: both halves of fc1 (a = W_g x + b_g, u = W_u x + b_u), 0 < sigmoid < 1, |silu(u)| <= |u|
+        polys = [{1.0: math.hypot(ng, nu), 0.0: math.hypot(bg2, bu2)}, {0.0: 1.0}]
         if self.gate == "sigmoid":
             # sigmoid(u) in [0, 1]: v = W2 diag(sigma) (W_g x + b_g) + b2
             c = _coeffs.sandwich_norm(w2, wg, 0.0, 1.0, a_norm=n2, b_norm=ng)
@@ -268,20 +273,26 @@ class GatedMLP(nn.Module):
         else:
             # ||a * silu(u)|| <= min(||a||_inf ||u||_2, ||a||_2 ||u||_inf); each factor affine in rho
             best = None
+            product = None
             for (p1, q1), (p2, q2) in (((rg, bgi), (nu, bu2)), ((ng, bg2), (ru, bui))):
                 quad, lin, const = p1 * p2, p1 * q2 + q1 * p2, q1 * q2
                 cand = (n2 * (quad + 0.5 * lin), n2 * (0.5 * lin + const) + nb2)
                 if best is None or cand[0] + cand[1] < best[0] + best[1]:
-                    best = cand
-            assert best is not None
+                    best, product = cand, {2.0: quad, 1.0: lin, 0.0: const}
+            assert best is not None and product is not None
             c, b = best
+            polys.append(product)
             lip = _coeffs.act_lipschitz("silu")
             l1 = n2 * (ng * ru + lip * nu * rg)
             l0 = n2 * (ng * bui + lip * nu * bgi)
             culprit = "SwiGLU product (W_g x) * SiLU(W_u x): quadratic growth"
-        return BlockCertificate(self.exponents.q, self.exponents.sigma, c=c, b=b, l1=l1, l0=l0,
+        q = self.exponents.q
+        polys.append({q: c, 0.0: b})
+        what = "gate input W_g x, W_u x" if self.gate == "sigmoid" else "gated product (W_g x) * SiLU(W_u x)"
+        return BlockCertificate(q, self.exponents.sigma, c=c, b=b, l1=l1, l0=l0,
                                 name=f"GatedMLP({self.gate})", culprit=culprit,
-                                fix="" if self.gate == "sigmoid" else "use gate='sigmoid' (q 2 -> 1)")
+                                fix="" if self.gate == "sigmoid" else "use gate='sigmoid' (q 2 -> 1)",
+                                peak=_coeffs.fold_peak(polys, what))
 
     @classmethod
     def from_module(cls, src: nn.Module, *, gate: Optional[str] = None, **overrides: Any) -> GatedMLP:

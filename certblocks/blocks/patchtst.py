@@ -30,6 +30,7 @@ Certificates bound the velocities with dropout inactive (``eval()``).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from typing import ClassVar, Optional, Tuple
 
@@ -206,6 +207,11 @@ class PatchTSTUpdate(nn.Module):
             if self.placement == "peri":
                 a_out, c_out = self.norm_out.eval_affine()
             cert = _fold(self.branch, a_in, c_in, a_out, c_out).certificate(seq_len=seq_len)
+            # the folded branch covers everything after the input BatchNorm; add its own output a * x + c
+            bn_in = {1.0: float(a_in.abs().max()), 0.0: _coeffs.vec_norm(c_in)}
+            peak = _coeffs.fold_peak([_coeffs.peak_poly(cert.peak, cert.q, cert.c, cert.b), bn_in],
+                                     cert.peak.what if cert.peak is not None else "BatchNorm output")
+            cert = dataclasses.replace(cert, peak=peak)
             return _renamed(cert, name, note=" (BatchNorm folded in eval mode: an affine map, not a normalization)")
         # LayerNorm / RMSNorm
         branch = self.branch.certificate(seq_len=seq_len)
@@ -219,13 +225,14 @@ class PatchTSTUpdate(nn.Module):
             a_out, g_out = _norm_bounds(self.norm_out)
             c = a_out
             l0 = g_out * inner
+        peak = _coeffs.normalized_peak(branch.peak, branch.q, branch.c, branch.b, a_in, c,
+                                       f"branch intermediates at the normalized radius ({self.placement}-{self.norm})")
         return BlockCertificate(0.0, 0.0, c=c, b=0.0, l1=0.0, l0=l0, name=name,
-                                culprit=f"{self.placement}-{self.norm} norm bounds the branch input")
+                                culprit=f"{self.placement}-{self.norm} norm bounds the branch input", peak=peak)
 
 
 def _renamed(cert: BlockCertificate, name: str, note: str = "") -> BlockCertificate:
-    return BlockCertificate(cert.q, cert.sigma, c=cert.c, b=cert.b, l1=cert.l1, l0=cert.l0, name=name,
-                            culprit=cert.culprit + note, fix=cert.fix)
+    return dataclasses.replace(cert, name=name, culprit=cert.culprit + note)
 
 
 class PatchTSTBlock(nn.Module):

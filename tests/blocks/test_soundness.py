@@ -94,3 +94,55 @@ def test_certificate_is_sound(case, search):
     assert g > 0.05, f"{case}: the growth search found nothing close to the bound ({g})"
     if not any(k in case for k in ("qk", "pre", "peri")):
         assert j > 0.02, f"{case}: the Jacobian search found nothing close to the bound ({j})"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_peak_bounds_every_intermediate(case, search):
+    # every value the forward computes from x (logits, gated products, hidden layers, normalized branches)
+    block = CASES[case](zlib.crc32(case.encode()) % 1000)
+    block.requires_grad_(False)
+    cert = block.certificate(seq_len=N)
+    assert cert.peak is not None, f"{case}: no peak in {cert}"
+    normalized = any(k in case for k in ("pre", "peri"))
+    radii = [0.05, 50.0] if normalized else [0.05, 1.0, 50.0, 2e3]
+    worst = 0.0
+    # the forward itself; for attention also the explicit twin, whose logits SDPA hides (the GLU twin's
+    # 1 / (1 + exp(-u)) is a formula of the test twin, not of the forward, which uses the stable sigmoid)
+    fs = [block] + ([block.forward_reference] if "attn" in case else [])
+    for f in fs:
+        worst = max(worst, search.peak(f, cert, N, D, radii, steps=12))
+    print(f"{case}: {cert.peak}; worst intermediate ratio {worst:.3g}")
+    assert worst <= 1.0 + search.rtol, f"{case}: an intermediate exceeds the peak bound by factor {worst}"
+    assert worst > 0.02, f"{case}: the search found nothing close to the peak bound ({worst})"
+
+
+def test_attention_peak_is_the_logits_and_is_nearly_attained(search):
+    # all tokens equal and aligned with the top singular direction of Wq^T Wk: the logit is kappa R^2
+    block = randomize(Attention(D, H, causal=False, bias=False), 3)
+    block.requires_grad_(False)
+    cert = block.certificate()
+    assert cert.peak.q == 2.0 and "logits" in cert.peak.what
+    ratio = search.peak(block.forward_reference, cert, N, D, [1e3], steps=40, restarts=4)
+    assert 0.2 < ratio <= 1.0 + search.rtol
+
+
+@pytest.mark.parametrize("kind", ["linear_growth", "free"])
+def test_mamba_peak_bounds_the_scan_state(kind, search, monkeypatch):
+    # the reference scan is a per-step loop: the state h_t, delta, B, C and the gate are all visible; the
+    # per-token normalization is a primitive (as layer_norm is): its output counts, its float32 internals not
+    from certblocks.blocks import mamba as mamba_module
+    from certblocks.blocks.mamba import LinearGrowthMamba, Mamba
+
+    monkeypatch.setattr(mamba_module, "_normalize_tokens", search.as_atom(mamba_module._normalize_tokens))
+    torch.manual_seed(5)
+    cls = LinearGrowthMamba if kind == "linear_growth" else Mamba
+    block = cls(D, d_state=4, d_conv=3, expand=2, dt_rank=2).eval()  # the scan kernels take float32
+    with torch.no_grad():
+        block.dt_proj.bias.add_(1.0)  # larger steps: the state accumulates more
+    block.backend = "reference"
+    block.requires_grad_(False)
+    cert = block.certificate(seq_len=N)
+    radii = [0.05, 1.0, 20.0] if kind == "linear_growth" else [0.05, 1.0, 3.0]
+    worst = search.peak(lambda x: block(x.float()), cert, N, D, radii, steps=10, restarts=2, count=8)
+    print(f"{kind}: {cert.peak}; worst intermediate ratio {worst:.3g}")
+    assert 0.0 < worst <= 1.0 + search.rtol, f"{kind}: an intermediate exceeds the peak bound by factor {worst}"
