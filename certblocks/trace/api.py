@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from .. import exponents as E
-from ..certificate import BlockCertificate
+from ..blocks._coeffs import fold_peak
+from ..certificate import BlockCertificate, Peak
 from .capture import CapturedGraph, capture
 from .interp import _CASTS, VelocityInterpreter, op_name
 from .poly import Poly
@@ -294,13 +295,41 @@ def _collapse(av: AValue) -> Tuple[float, float, float, float, bool]:
     return vals[0], vals[1], vals[2], vals[3], ok
 
 
+def _peak(g: CapturedGraph, it: VelocityInterpreter) -> Optional[Peak]:
+    """Bound on every value of the velocity's graph: its nodes' growth polynomials, plus the query-key
+    products inside fused attention (``||q_i|| ||k_j||``).  ``None`` when a node's growth is not derived."""
+    polys: List[Tuple[str, Poly]] = []
+    for n in it.order:
+        av = _av(it, n.name)
+        if av is None or av.const:
+            continue
+        if av.G is None or not av.G.is_finite():
+            return None
+        polys.append((n.name, av.G))
+        if n.op == "call_function" and "scaled_dot_product" in op_name(n.target):
+            q, k = _av(it, n.args[0].name), _av(it, n.args[1].name)
+            if q is None or k is None or q.G is None or k.G is None:
+                return None
+            scale = n.kwargs.get("scale")
+            s = max(1.0, float(scale)) if isinstance(scale, (int, float)) else 1.0
+            polys.append((f"query-key logits of {n.name}", (q.G * k.G).scale(s)))
+    if not polys:
+        return None
+    top = max(polys, key=lambda t: (t[1].degree, t[1].total()))
+    try:
+        return fold_peak([dict(p.terms) for _, p in polys], f"{top[0]} (graph node)")
+    except ValueError:
+        return None
+
+
 def certify_velocity(g: CapturedGraph, x: torch.fx.Node, out: torch.fx.Node, name: str = "") -> TraceCertificate:
     """Certify the velocity ``x -> out`` of a captured graph."""
     it = VelocityInterpreter(g, x, out)
     res = it.run()
     c, b, l1, l0, ok = _collapse(res)
     culprit, cnode, fix = _culprit(g, it, out)
-    cert = BlockCertificate(res.exps.q, res.exps.sigma, c=c, b=b, l1=l1, l0=l0, name=name, culprit=culprit, fix=fix)
+    cert = BlockCertificate(res.exps.q, res.exps.sigma, c=c, b=b, l1=l1, l0=l0, name=name, culprit=culprit, fix=fix,
+                            peak=_peak(g, it))
     rows = []
     for n in it.order:
         av = _av(it, n.name)
