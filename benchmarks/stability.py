@@ -17,8 +17,17 @@ patchtst_rms/preln/periln ``patchtst_*``               0
 ``D`` is the number of layers (``e_layers``); each layer is two residual updates (mixer or
 attention, then MLP), so a model has ``2 D`` updates.  Optimizer as in the paper (App. B.3): Adam,
 learning rate 1e-3 (Mamba) / 1e-4 (PatchTST), MSE loss, a fixed number of steps (no early
-stopping).  Precisions: ``fp32``; ``bf16`` = ``torch.autocast`` with bfloat16; ``fp16`` = autocast
-with float16 and a ``GradScaler``.
+stopping).  The default variants are the seven the protocol names (``--variants`` adds
+patchtst_rms and patchtst_periln).
+
+Budget (so that the full mode's 252 runs fit in under two hours on a 2-core CPU with one thread):
+width 64 (``d_model`` 64; Mamba ``d_ff`` 64, ``dt_rank`` 16; PatchTST 8 heads, ``d_ff`` 128; the zoo
+default is 128), 64 Adam steps of 16 windows (x 7 channels), test MSE on every 8th test window.
+This is far less training than the paper's, which bounds what a run can show; every knob is an
+option.  Each finished run is appended to a ``.jsonl`` log; ``--resume`` continues from it.
+
+Precisions: ``fp32``; ``bf16`` = ``torch.autocast`` with bfloat16; ``fp16`` = autocast with float16
+and a ``GradScaler``.
 
 A run *blows up* when its training loss becomes non-finite (checked every step) or its final test
 MSE (standardized targets) is non-finite or exceeds 10.  Per cell (backbone, variant, D, horizon,
@@ -33,9 +42,10 @@ the blow-up rate by variant and depth.
 
 Usage::
 
-    python benchmarks/stability.py --quick        # D=3, 1 seed, fp32 + bf16, horizon 96
-    python benchmarks/stability.py                # D in {3, 8}, 3 seeds, fp32/bf16/fp16, H in {96, 336}
-    python benchmarks/stability.py --data PATH --variants mamba_free mamba_lg --steps 500
+    python benchmarks/stability.py --quick        # D=3, 1 seed, fp32/bf16/fp16, horizon 96: 21 runs
+    python benchmarks/stability.py                # D in {3, 8}, 3 seeds, fp32/bf16/fp16, H in {96, 336}: 252 runs
+    python benchmarks/stability.py --resume       # continue an interrupted run from its .jsonl log
+    python benchmarks/stability.py --data PATH --variants mamba_free mamba_lg --steps 500 --width 128
 """
 
 from __future__ import annotations
@@ -72,7 +82,17 @@ VARIANTS: Dict[str, Tuple[str, str, int, bool]] = {
     "patchtst_preln": ("patchtst_preln", "patchtst", 0, True),
     "patchtst_periln": ("patchtst_periln", "patchtst", 0, True),
 }
+#: the variants the issue's protocol names (``--variants`` adds patchtst_rms and patchtst_periln)
+DEFAULT_VARIANTS = ("mamba_free", "mamba_lg", "mamba_rms", "mamba_preln", "mamba_periln", "patchtst_noln",
+                    "patchtst_preln")
 LEARNING_RATES = {"mamba": 1e-3, "patchtst": 1e-4}
+
+
+def width_overrides(backbone: str, width: int) -> Dict[str, int]:
+    """Model size at ``d_model = width`` (the zoo's defaults are width 128; see the module docstring)."""
+    if backbone == "mamba":
+        return {"d_model": width, "d_ff": width, "dt_rank": max(1, width // 4)}
+    return {"d_model": width, "d_ff": 2 * width, "n_heads": max(1, width // 8)}
 PRECISIONS = ("fp32", "bf16", "fp16")
 BLOWUP_MSE = 10.0
 
@@ -88,7 +108,7 @@ def build_model(variant: str, depth: int, pred_len: int, seed: int, **overrides:
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
     torch.manual_seed(seed)
-    cfg = dict(e_layers=depth, pred_len=pred_len, certify=False)
+    cfg: Dict[str, Any] = dict(e_layers=depth, pred_len=pred_len, certify=False)
     cfg.update(overrides)
     return create_model(VARIANTS[variant][0], **cfg)
 
@@ -286,40 +306,70 @@ def plot(rows: List[Dict[str, Any]], path: str) -> Optional[str]:
     return path
 
 
+def _run_key(r: Dict[str, Any]) -> Tuple:
+    return (r["variant"], r["depth"], r["pred_len"], r["precision"], r["seed"])
+
+
+def _load_done(path: str, settings: Dict[str, Any]) -> Dict[Tuple, Dict[str, Any]]:
+    """Runs already in the JSONL log ``path`` that were made with the same ``settings``."""
+    done: Dict[Tuple, Dict[str, Any]] = {}
+    if not os.path.exists(path):
+        return done
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            r = json.loads(line)
+            if r.get("settings") == settings:
+                done[_run_key(r)] = r
+    return done
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="D=3, 1 seed, fp32 + bf16, horizon 96, 120 steps of batch 16")
+    p.add_argument("--quick", action="store_true",
+                   help="D=3, 1 seed, fp32/bf16/fp16, horizon 96 (the full mode: D in {3, 8}, 3 seeds, H in {96, 336})")
     p.add_argument("--data", default=default_data_path())
-    p.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    p.add_argument("--variants", nargs="*", default=list(DEFAULT_VARIANTS))
     p.add_argument("--depths", type=int, nargs="*", default=None)
     p.add_argument("--seeds", type=int, nargs="*", default=None)
     p.add_argument("--precisions", nargs="*", default=None, choices=PRECISIONS)
     p.add_argument("--horizons", type=int, nargs="*", default=None)
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (quick 120, full 300)")
-    p.add_argument("--batch-size", type=int, default=None, help="quick 16, full 32")
-    p.add_argument("--test-stride", type=int, default=None,
-                   help="evaluate every n-th test window (quick 8, full 1)")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--width", type=int, default=64, help="d_model of every model (zoo default 128; default 64)")
+    p.add_argument("--steps", type=int, default=64, help="optimizer steps per run (default 64)")
+    p.add_argument("--batch-size", type=int, default=16, help="windows per batch (x the 7 channels; default 16)")
+    p.add_argument("--test-stride", type=int, default=8, help="evaluate every n-th test window (default 8)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--resume", action="store_true",
+                   help="skip the runs already logged (same settings) in the mode's .jsonl log")
     p.add_argument("--out", default=OUT_DIR)
     a = p.parse_args(argv)
     for v in a.variants:
         if v not in VARIANTS:
             p.error(f"unknown variant {v!r}; choose from {list(VARIANTS)}")
+    for name in ("width", "steps", "batch_size", "test_stride", "threads"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     quick = a.quick
     depths = a.depths or ([3] if quick else [3, 8])
     seeds = a.seeds or ([2021] if quick else [2021, 2022, 2023])
-    precisions = a.precisions or (["fp32", "bf16"] if quick else list(PRECISIONS))
+    precisions = a.precisions or list(PRECISIONS)
     horizons = a.horizons or ([96] if quick else [96, 336])
-    steps = a.steps or (120 if quick else 300)
-    bs = a.batch_size or (16 if quick else 32)
-    stride = a.test_stride or (8 if quick else 1)
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    steps, bs, stride = a.steps, a.batch_size, a.test_stride
+    torch.set_num_threads(a.threads)
     os.makedirs(a.out, exist_ok=True)
     tag = "quick" if quick else "full"
+    log_path = os.path.join(a.out, f"stability_{tag}.jsonl")
+    settings = {"width": a.width, "steps": steps, "batch_size": bs, "test_stride": stride,
+                "data": os.path.abspath(a.data)}
+    done = _load_done(log_path, settings) if a.resume else {}
+    if not a.resume and os.path.exists(log_path):
+        os.remove(log_path)
     n_runs = len(a.variants) * len(depths) * len(seeds) * len(precisions) * len(horizons)
     _log(f"stability ({tag}): {n_runs} runs = {len(a.variants)} variants x D {depths} x seeds {seeds} x "
-         f"{precisions} x H {horizons}; {steps} steps of batch {bs}; test every {stride}-th window")
+         f"{precisions} x H {horizons}; width {a.width}; {steps} steps of batch {bs}; test every {stride}-th "
+         f"window; {a.threads} thread(s)" + (f"; {len(done)} runs resumed from {log_path}" if done else ""))
     data = {H: load_ett(a.data, pred_len=H, test_stride=stride) for H in horizons}
     runs: List[Dict[str, Any]] = []
     t_all = time.time()
@@ -330,30 +380,41 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 for prec in precisions:
                     for seed in seeds:
                         i += 1
+                        key = (v, D, H, prec, seed)
+                        if key in done:
+                            runs.append(done[key])
+                            continue
                         label = f"[{i}/{n_runs}] {v} D={D} H={H} {prec} seed={seed}"
                         train, _, test = make_loaders(data[H], bs, seed=seed)
-                        model = build_model(v, D, H, seed)
+                        model = build_model(v, D, H, seed, **width_overrides(VARIANTS[v][1], a.width))
                         cert0 = certificate_summary(model, prec)
                         _log(f"{label}: init certificate q={cert0.get('q')} sigma={cert0.get('sigma')} certified "
                              f"{cert0.get('certified_depth')}/{cert0.get('updates')} in {prec}")
                         res = train_run(model, train, test, precision=prec, steps=steps,
-                                        lr=LEARNING_RATES[VARIANTS[v][1]], log_every=max(1, steps // 3), label=label)
+                                        lr=LEARNING_RATES[VARIANTS[v][1]], log_every=max(1, steps // 2), label=label)
                         cert1 = certificate_summary(model, prec)
-                        runs.append({"variant": v, "model": VARIANTS[v][0], "q_variant": VARIANTS[v][2], "depth": D,
-                                     "pred_len": H, "precision": prec, "seed": seed, "steps": steps,
-                                     "batch_size": bs, "cert_init": cert0, "cert_final": cert1, **asdict(res)})
+                        run = {"variant": v, "model": VARIANTS[v][0], "q_variant": VARIANTS[v][2], "depth": D,
+                               "pred_len": H, "precision": prec, "seed": seed, "steps": steps, "batch_size": bs,
+                               "settings": settings, "cert_init": cert0, "cert_final": cert1, **asdict(res)}
+                        runs.append(run)
+                        with open(log_path, "a") as f:
+                            f.write(json.dumps(run, default=str) + "\n")
+                        elapsed = time.time() - t_all
+                        fresh = sum(1 for r in runs if _run_key(r) not in done)
+                        eta = elapsed / fresh * (n_runs - len(runs))
                         _log(f"{label}: {'BLOW-UP (' + res.reason + ')' if res.blew_up else 'ok'}, test MSE "
                              f"{res.test_mse if res.test_mse is None else round(res.test_mse, 4)}, final certified "
                              f"{cert1.get('certified_depth')}/{cert1.get('updates')}, {res.seconds:.0f} s "
-                             f"(total {time.time() - t_all:.0f} s)")
+                             f"(total {elapsed:.0f} s, ETA {eta / 60:.0f} min)")
     rows = summarize(runs)
     elapsed = time.time() - t_all
+    seconds_all = round(sum(float(r["seconds"]) for r in runs), 1)
     meta = {"command": "python benchmarks/stability.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "mode": tag, "data": os.path.abspath(a.data), "steps": steps, "batch_size": bs, "test_stride": stride,
-            "learning_rates": LEARNING_RATES, "blowup_mse": BLOWUP_MSE,
+            "mode": tag, **settings, "learning_rates": LEARNING_RATES, "blowup_mse": BLOWUP_MSE,
             "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
                        f"{torch.get_num_threads()} threads",
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seconds": round(elapsed, 1)}
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seconds": round(elapsed, 1),
+            "seconds_training_all_runs": seconds_all, "resumed_runs": len(done)}
     path = os.path.join(a.out, f"stability_{tag}.json")
     with open(path, "w") as f:
         json.dump({"meta": meta, "cells": rows, "runs": runs}, f, indent=1, default=str)

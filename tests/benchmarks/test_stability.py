@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -74,3 +75,29 @@ def test_summary_is_relative_to_normalized_median():
     assert rows["mamba_free"]["blowups"] == 1 and rows["mamba_free"]["runs"] == 2
     assert rows["mamba_rms"]["rel_mean"] == pytest.approx(-0.2)
     assert "1/2" in table(list(rows.values()))
+
+
+def test_resume_log_keeps_only_runs_with_the_same_settings(tmp_path):
+    from stability import _load_done
+
+    same = {"width": 64, "steps": 64}
+    runs = [{"variant": "mamba_lg", "depth": 3, "pred_len": 96, "precision": "fp16", "seed": 1, "settings": same},
+            {"variant": "mamba_lg", "depth": 3, "pred_len": 96, "precision": "fp16", "seed": 2,
+             "settings": {"width": 128, "steps": 64}}]
+    log = tmp_path / "log.jsonl"
+    log.write_text("\n".join(json.dumps(r) for r in runs) + "\n")
+    done = _load_done(str(log), same)
+    assert list(done) == [("mamba_lg", 3, 96, "fp16", 1)]
+    assert _load_done(str(tmp_path / "missing.jsonl"), same) == {}
+
+
+def test_width_overrides_build_the_named_size():
+    from stability import width_overrides
+
+    m = build_model("mamba_lg", 1, 8, 0, seq_len=32, n_vars=2, d_state=4, **width_overrides("mamba", 16))
+    p = build_model("patchtst_noln", 1, 8, 0, seq_len=32, patch_len=8, stride=4, n_vars=2,
+                    **width_overrides("patchtst", 16))
+    for model in (m, p):
+        widths = {mod.normalized_shape[0] for mod in model.modules() if isinstance(mod, torch.nn.LayerNorm)}
+        linear_in = {mod.in_features for mod in model.modules() if isinstance(mod, torch.nn.Linear)}
+        assert 16 in linear_in and widths <= {16}
