@@ -27,8 +27,17 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST)
 
+# The CPU figures of benchmarks/RESULTS.md, quick modes (about 25 minutes on 2 cores).
 bench: $(STAMP)
 	$(PY) benchmarks/bench_budget.py
+	$(PY) benchmarks/trace_gpt2.py --repeats 3
+	$(PY) benchmarks/bench_selective_scan.py
+	$(PY) benchmarks/bench_mamba_block.py --threads 1 --repeats 7
+	$(PY) benchmarks/bench_blocks.py
+	$(PY) benchmarks/throughput.py --quick --threads 1
+	$(PY) benchmarks/overflow_depth.py
+	$(PY) benchmarks/stability.py --quick
+	$(PY) benchmarks/monitor_gpt.py --quick
 
 readme: $(STAMP)
 	$(VENV)/bin/certblocks table --update-readme README.md
