@@ -256,7 +256,8 @@ def bench_gpu(args):
         x = make_inputs(B, D, N, L, torch.bfloat16, dev)
         esz = 2
         bytes_fwd = esz * B * L * (4 * D + 2 * N)  # read u, delta, z, B, C; write out
-        bytes_bwd = bytes_fwd + esz * B * L * (4 * D + 2 * N)  # + read dout, write du, ddelta, dz, dB, dC
+        # backward: re-read u, delta, z, B, C and dout; write du, ddelta, dz, dB, dC
+        bytes_bwd = bytes_fwd + esz * B * L * (7 * D + 4 * N)
         impls = [("certblocks triton", lambda **k: selective_scan(**k, **kw, backend="triton"))]
         if selective_scan_fn is not None:
             impls.append(("mamba-ssm selective_scan_fn", lambda **k: selective_scan_fn(**k, **kw)))
@@ -295,7 +296,7 @@ def bench_gpu(args):
                 continue
             res[f"D={D}/{name}/decode"] = dict(median_s=t, times_s=ts)
             rows.append(dict(D=D, impl=name, pass_="decode", median_ms=f"{t * 1e3:.4f}"))
-        nbytes = 4 * 2 * B * D * N + 2 * 4 * B * D
+        nbytes = 4 * 2 * B * D * N + 2 * 4 * B * D + 4 * D * N  # state in/out, x/dt/z/out, A
         res[f"D={D}/HBM bound/decode"] = dict(median_s=nbytes / bw, bytes=nbytes)
         rows.append(dict(D=D, impl="HBM bound", pass_="decode", median_ms=f"{nbytes / bw * 1e3:.4f}"))
     summary = {}
