@@ -210,6 +210,20 @@ def _linear_slots(lin: nn.Linear, sizes: List[int], wkeys: List[str], bkeys: Lis
     return [s for s in out if s is not None]
 
 
+def fold_peak(polys, what):
+    """:func:`certblocks.blocks._coeffs.fold_peak`, imported on use (the blocks load lazily)."""
+    from .blocks._coeffs import fold_peak as fold
+
+    return fold(polys, what)
+
+
+def normalized_peak(*args):
+    """:func:`certblocks.blocks._coeffs.normalized_peak`, imported on use."""
+    from .blocks._coeffs import normalized_peak as peak
+
+    return peak(*args)
+
+
 def _plan_mlp(name: str, m: nn.Module) -> _Plan:
     from .blocks._coeffs import act_lipschitz
 
@@ -219,8 +233,9 @@ def _plan_mlp(name: str, m: nn.Module) -> _Plan:
 
     def worst(a: Dict[str, float]) -> BlockCertificate:
         c = a["a2"] * a["a1"]
-        return BlockCertificate(1, 0, c=c, b=a["a2"] * a.get("beta1", 0.0) + a.get("beta2", 0.0), l1=0.0,
-                                l0=lip * c, name=name)
+        b = a["a2"] * a.get("beta1", 0.0) + a.get("beta2", 0.0)
+        peak = fold_peak([{1.0: a["a1"], 0.0: a.get("beta1", 0.0)}, {1.0: c, 0.0: b}], "hidden pre-activation")
+        return BlockCertificate(1, 0, c=c, b=b, l1=0.0, l0=lip * c, name=name, peak=peak)
     return _Plan(name, slots, worst)
 
 
@@ -234,9 +249,11 @@ def _plan_gated(name: str, m: nn.Module) -> _Plan:
 
     def worst(a: Dict[str, float]) -> BlockCertificate:
         c = a["a2"] * a["ag"]
-        return BlockCertificate(1, 1, c=c, b=a["a2"] * a.get("betag", 0.0) + a.get("beta2", 0.0),
-                                l1=0.25 * a["a2"] * a["au"] * a["ag"],
-                                l0=c + 0.25 * a["a2"] * a["au"] * a.get("betag", 0.0), name=name)
+        b = a["a2"] * a.get("betag", 0.0) + a.get("beta2", 0.0)
+        fc1 = {1.0: math.hypot(a["ag"], a["au"]), 0.0: math.hypot(a.get("betag", 0.0), a.get("betau", 0.0))}
+        peak = fold_peak([fc1, {0.0: 1.0}, {1.0: c, 0.0: b}], "gate input W_g x, W_u x")
+        return BlockCertificate(1, 1, c=c, b=b, l1=0.25 * a["a2"] * a["au"] * a["ag"],
+                                l0=c + 0.25 * a["a2"] * a["au"] * a.get("betag", 0.0), name=name, peak=peak)
     return _Plan(name, slots, worst)
 
 
@@ -258,11 +275,18 @@ def _plan_attention(name: str, m: nn.Module) -> _Plan:
         mv = a["ao"] * a["av"]
         c = math.sqrt(H) * mv
         b = a["ao"] * a.get("betav", 0.0) + a.get("betao", 0.0)
+        betas = [a.get(f"beta{t}", 0.0) for t in "qkv"]
+        qkv = {1.0: math.sqrt(a["aq"] ** 2 + a["ak"] ** 2 + a["av"] ** 2), 0.0: math.sqrt(sum(x * x for x in betas))}
+        polys = [qkv, {0.0: 1.0}, {1.0: c, 0.0: b}]  # q/k/v, the softmax, the output
+        sc = max(1.0, s)
         if qk is None:
             bq = a["ak"] * a.get("betaq", 0.0)
             l1 = s * H * mv * (2.0 * a["aq"] * a["ak"] + 0.5 * bq)
             l0 = c + s * H * mv * 0.5 * bq
-            return BlockCertificate(1, 2, c=c, b=b, l1=l1, l0=l0, name=name)
+            polys.append({2.0: sc * a["aq"] * a["ak"], 1.0: sc * (a["aq"] * betas[1] + a["ak"] * betas[0]),
+                          0.0: sc * betas[0] * betas[1]})
+            return BlockCertificate(1, 2, c=c, b=b, l1=l1, l0=l0, name=name,
+                                    peak=fold_peak(polys, "query-key logits"))
 
         def out_bound(tag: str) -> float:
             g = a[f"gamma{tag}"]
@@ -271,7 +295,8 @@ def _plan_attention(name: str, m: nn.Module) -> _Plan:
         A_q, A_k = out_bound("q"), out_bound("k")
         G_q, G_k = a["gammaq"] / math.sqrt(eps_q), a["gammak"] / math.sqrt(eps_k)
         l1 = s * H * mv * (A_k * G_q * a["aq"] + A_q * G_k * a["ak"])
-        return BlockCertificate(1, 1, c=c, b=b, l1=l1, l0=c, name=name)
+        polys.append({0.0: sc * A_q * A_k})
+        return BlockCertificate(1, 1, c=c, b=b, l1=l1, l0=c, name=name, peak=fold_peak(polys, "q/k/v projection"))
     return _Plan(name, slots, worst)
 
 
@@ -305,12 +330,15 @@ def _plan_normed(name: str, inner: _Plan, norm_in: nn.Module, norm_out: Optional
         branch = inner.worst(a)
         a_in, g_in = bounds("in")
         assert branch.q is not None
+        what = "branch intermediates at the normalized radius"
         if norm_out is None:
-            return BlockCertificate(0, 0, c=branch.growth_bound(a_in), b=0.0, l1=0.0,
-                                    l0=branch.jacobian_bound(a_in) * g_in, name=name)
+            c = branch.growth_bound(a_in)
+            return BlockCertificate(0, 0, c=c, b=0.0, l1=0.0, l0=branch.jacobian_bound(a_in) * g_in, name=name,
+                                    peak=normalized_peak(branch.peak, branch.q, branch.c, branch.b, a_in, c, what))
         a_out, g_out = bounds("out")
         return BlockCertificate(0, 0, c=a_out, b=0.0, l1=0.0, l0=g_out * branch.jacobian_bound(a_in) * g_in,
-                                name=name)
+                                name=name,
+                                peak=normalized_peak(branch.peak, branch.q, branch.c, branch.b, a_in, a_out, what))
     return _Plan(name, slots, worst)
 
 

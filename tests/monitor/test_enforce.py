@@ -45,8 +45,13 @@ def test_certificate_holds_after_adversarial_updates(dtype: str) -> None:
         with torch.no_grad():
             for p in st.parameters():
                 p.add_(torch.randn(p.shape, generator=g) * scale)
-        assert st.recertify().ok
+        cert = st.recertify()
+        assert cert.ok
         _effective_norms_within_caps(st)
+        for worst, actual in zip(report.worst_case.updates, cert.updates):  # the caps bound the intermediates
+            assert worst.peak is not None and actual.peak is not None
+            for r in (0.1, 1.0, 1e3):
+                assert worst.peak.bound(r) >= actual.peak.bound(r) * (1 - 1e-9), (worst.name, r)
     x = torch.randn(2, 5, 16, generator=g)
     for opt in (torch.optim.SGD(st.parameters(), lr=1e6), torch.optim.Adam(st.parameters(), lr=1e3)):
         for _ in range(3):  # huge learning rates, loss pushing the output up
