@@ -10,13 +10,13 @@ the Jacobian search differentiates through ``torch.func.jvp``.
 
 from __future__ import annotations
 
+import functools
 import math
 from types import SimpleNamespace
 from typing import Callable, Iterable
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 RTOL = 1e-7  # float64 rounding allowance on a bound
 
@@ -116,75 +116,12 @@ def jacobian_search(f: Callable[[torch.Tensor], torch.Tensor], cert, n: int, d: 
     return worst
 
 
-class _LargestValue(TorchFunctionMode):
-    """Records ``max |entry|`` of every floating tensor computed from the searched input (``requires_grad``).
-
-    Masked attention logits carry the sentinel ``finfo.min / 2`` on purpose (their exponential is 0); entries
-    at or below ``finfo.min / 4`` are therefore not counted.
-    """
-
-    active: list = []  # the recording modes (innermost last)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.values: list = []
-        self.paused = 0
-
-    def __enter__(self):
-        _LargestValue.active.append(self)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        _LargestValue.active.pop()
-        return super().__exit__(*exc)
-
-    def record(self, out) -> None:
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad and t.numel():
-                sentinel = torch.finfo(t.dtype).min / 4
-                self.values.append(t.masked_fill(t <= sentinel, 0.0).abs().amax().to(torch.float64))
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if not self.paused:
-            self.record(out)
-        return out
-
-
-def as_atom(fn: Callable) -> Callable:
-    """``fn`` seen as one primitive by :func:`largest_value`: its output counts, its internals do not.
-
-    For normalizations, whose sum of squares and ``rsqrt`` run in float32 whatever the dtype (an overflow
-    there turns the normalized value into 0, not into inf or NaN), as for ``layer_norm``.
-    """
-    def wrapped(*args, **kwargs):
-        mode = _LargestValue.active[-1] if _LargestValue.active else None
-        if mode is None:
-            return fn(*args, **kwargs)
-        mode.paused += 1
-        try:
-            out = fn(*args, **kwargs)
-        finally:
-            mode.paused -= 1
-        mode.record(out)
-        return out
-    return wrapped
-
-
-def largest_value(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """The largest ``|entry|`` over every tensor ``f`` computes from ``x`` (differentiable in ``x``)."""
-    if not x.requires_grad:
-        x = x.detach().requires_grad_(True)
-    with torch.enable_grad(), _LargestValue() as mode:
-        f(x)
-    return torch.stack(mode.values).amax()
-
-
 def peak_search(f: Callable[[torch.Tensor], torch.Tensor], cert, n: int, d: int, radii: Iterable[float], *,
-                steps: int = 20, restarts: int = 3, count: int = 32, seed: int = 0) -> float:
+                largest_value: Callable, steps: int = 20, restarts: int = 3, count: int = 32, seed: int = 0) -> float:
     """Largest ``max |intermediate| / peak(||X||)`` found (random and gradient-ascent inputs).
 
-    The block's parameters must not require gradients (only tensors computed from the input count).
+    ``largest_value`` is the ``intermediates`` fixture's (tests/conftest.py).  The block's parameters must
+    not require gradients (only tensors computed from the input count).
     """
     assert cert.peak is not None, "the certificate states no peak"
     gen = torch.Generator().manual_seed(seed)
@@ -210,7 +147,8 @@ def slope(f: Callable[[float], float], s0: float, s1: float) -> float:
 
 
 @pytest.fixture
-def search() -> SimpleNamespace:
-    return SimpleNamespace(tok_norm=tok_norm, growth=growth_search, jacobian=jacobian_search, peak=peak_search,
-                           largest_value=largest_value, as_atom=as_atom,
+def search(intermediates) -> SimpleNamespace:
+    peak = functools.partial(peak_search, largest_value=intermediates.largest_value)
+    return SimpleNamespace(tok_norm=tok_norm, growth=growth_search, jacobian=jacobian_search, peak=peak,
+                           largest_value=intermediates.largest_value, as_atom=intermediates.as_atom,
                            jacobian_lower=jacobian_norm_lower, random_inputs=random_inputs, slope=slope, rtol=RTOL)

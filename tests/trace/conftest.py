@@ -8,6 +8,7 @@ and fails if it finds one.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -81,15 +82,40 @@ def _search_jacobian(m, cert, shape, seed=0):
 
 
 
-def _check(m, cert, shape, name=""):
+def _search_peak(m, cert, shape, largest_value, seed=0):
+    """max over random and gradient-ascent inputs of (largest value computed from x) / peak(||x||)."""
+    g = torch.Generator().manual_seed(seed)
+    worst = -math.inf
+    m.requires_grad_(False)
+    try:
+        for scale in (1e-2, 1.0, 100.0):
+            x = (torch.randn(4, *shape[1:], generator=g, dtype=torch.float64) * scale).requires_grad_(True)
+            opt = torch.optim.Adam([x], lr=0.05 * scale)
+            for _ in range(6):
+                bound = cert.peak_bound(float(_token_norm(x).max()))
+                ratio = largest_value(m, x) / bound
+                worst = max(worst, float(ratio.detach()))
+                opt.zero_grad()
+                (-ratio).backward()
+                opt.step()
+    finally:
+        m.requires_grad_(True)
+    return worst
+
+
+def _check(m, cert, shape, name="", largest_value=None):
     g = _search_growth(m, cert, shape)
     assert g <= 1e-6, f"growth bound beaten for {name}: {cert} (excess ratio {g})"
     j = _search_jacobian(m.double(), cert, shape)
     assert j <= 1.0 + 1e-6, f"Jacobian bound beaten for {name}: {cert} (ratio {j})"
+    if largest_value is not None and cert.peak is not None:
+        # the ratio uses the largest token norm of the batch, a bound on every sample's radius
+        p = _search_peak(m, cert, shape, largest_value)
+        assert p <= 1.0 + 1e-6, f"peak bound beaten for {name}: {cert.peak} (ratio {p})"
     m.float()
     return g, j
 
 
 @pytest.fixture
-def soundness():
-    return _check
+def soundness(intermediates):
+    return functools.partial(_check, largest_value=intermediates.largest_value)
