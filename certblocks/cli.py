@@ -22,7 +22,7 @@ import sys
 from typing import Dict, List, Optional, Sequence
 
 from . import budget
-from .certificate import BlockCertificate, Depths
+from .certificate import BlockCertificate, Depths, Peak
 
 __all__ = ["main", "forward_depth_table", "render_table", "format_depth"]
 
@@ -106,7 +106,8 @@ def _parse_dtypes(text: str) -> List[str]:
 
 def _cmd_budget(args: argparse.Namespace) -> int:
     try:
-        cert = BlockCertificate(args.q, args.sigma, c=args.c, b=args.b, l1=args.l1, l0=args.l0)
+        peak = None if args.peak is None else Peak(*args.peak)
+        cert = BlockCertificate(args.q, args.sigma, c=args.c, b=args.b, l1=args.l1, l0=args.l0, peak=peak)
         dtypes = _parse_dtypes(args.dtype)
         depths = [cert.depths(d, dt=args.dt, r0=args.r0, lip_g=args.lip_g) for d in dtypes]
     except (ValueError, TypeError) as e:
@@ -118,7 +119,7 @@ def _cmd_budget(args: argparse.Namespace) -> int:
         return 0
     print(f"block {cert.exponents}: ||v(x)|| <= {args.c:g} ||x||^{args.q:g} + {args.b:g}, "
           f"L(R) <= {args.l1:g} R^{args.sigma:g} + {args.l0:g}; dt = {args.dt:g}, r0 = {args.r0:g}, "
-          f"Lip(G) = {args.lip_g:g}")
+          f"Lip(G) = {args.lip_g:g}" + ("" if cert.peak is None else f"; {cert.peak}"))
     print(_depths_table(depths))
     if not all(d.exact for d in depths):
         print("(>= : sound lower bound from the closed forms; the recursion was too long to run)")
@@ -171,6 +172,8 @@ def build_parser(argv: Optional[Sequence[str]] = None) -> argparse.ArgumentParse
     p.add_argument("--b", type=float, default=0.0, help="growth offset b (default 0)")
     p.add_argument("--l1", type=float, default=0.0, help="Jacobian coefficient l1 (default 0)")
     p.add_argument("--l0", type=float, default=1.0, help="Jacobian offset l0 (default 1)")
+    p.add_argument("--peak", type=float, nargs=3, metavar=("Q", "C", "B"), default=None,
+                   help="bound C ||x||^Q + B on the block's largest intermediate (e.g. 2 0.5 0 for logits)")
     p.add_argument("--dt", type=float, default=1.0, help="residual step size (default 1)")
     p.add_argument("--r0", type=float, default=1.0, help="input radius (default 1)")
     p.add_argument("--lip-g", type=float, default=1.0, help="Lipschitz constant of the loss head (default 1)")

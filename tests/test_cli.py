@@ -34,8 +34,20 @@ def test_budget_json(capsys):
     assert code == 0 and data["depths"][0]["forward_overflow"] == 1024 and data["block"]["q"] == 1.0
 
 
+def test_budget_with_a_peak(capsys):
+    # R_k = 100 * 3^k; the intermediate 0.5 R^2 reaches bf16's M at k = 37, the state only at k = 77
+    code, out, _ = run(capsys, "budget", "--q", "1", "--c", "2", "--r0", "100", "--peak", "2", "0.5", "0",
+                       "--dtype", "fp16,bf16")
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("fp16", "bf16"))}
+    assert code == 0 and "peak <= 0.5 ||x||^2" in out
+    assert rows["fp16"][2] == "2" and rows["bf16"][2] == "37"
+    code, out, _ = run(capsys, "budget", "--q", "1", "--c", "2", "--r0", "100", "--dtype", "bf16")
+    assert code == 0 and out.splitlines()[-1].split()[2] == "76"
+
+
 @pytest.mark.parametrize("argv, needle", [(["--q", "1", "--dtype", "fp99"], "dtype 'fp99' is not supported"),
                                           (["--q", "-1"], "q must be a finite number >= 0"),
+                                          (["--q", "1", "--peak", "2", "-1", "0"], "peak c must be >= 0"),
                                           (["--q", "1", "--dt", "0"], "dt must be > 0")])
 def test_budget_errors_exit_2_with_a_message(capsys, argv, needle):
     code, _, err = run(capsys, "budget", *argv)
