@@ -96,6 +96,10 @@ def test_certificate_matches_tracer(name):
     mismatched = [(u.name, u.exponents, t.name, t.exponents) for u, t in zip(cert.updates, traced)
                   if u.exponents != t.exponents]
     assert not mismatched, mismatched
+    # every update bounds its intermediates, and the forward depth respects them
+    assert all(u.peak is not None for u in cert.updates), [u.name for u in cert.updates if u.peak is None]
+    for k, u in enumerate(cert.updates[:cert.forward_depth]):
+        assert u.peak_bound(cert.radii[k]) < cert.max_value, (u.name, u.peak)
 
 
 @pytest.mark.parametrize("name,overrides", [
