@@ -340,6 +340,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=64, help="optimizer steps per run (default 64)")
     p.add_argument("--batch-size", type=int, default=16, help="windows per batch (x the 7 channels; default 16)")
     p.add_argument("--test-stride", type=int, default=8, help="evaluate every n-th test window (default 8)")
+    p.add_argument("--lr-scale", type=float, default=1.0,
+                   help="multiply the protocol's learning rates (a stress test; default 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--resume", action="store_true",
                    help="skip the runs already logged (same settings) in the mode's .jsonl log")
@@ -351,6 +353,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for name in ("width", "steps", "batch_size", "test_stride", "threads"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if not (a.lr_scale > 0 and math.isfinite(a.lr_scale)):
+        p.error(f"--lr-scale must be a finite number > 0, got {a.lr_scale}")
     quick = a.quick
     depths = a.depths or ([3] if quick else [3, 8])
     seeds = a.seeds or ([2021] if quick else [2021, 2022, 2023])
@@ -359,10 +363,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     steps, bs, stride = a.steps, a.batch_size, a.test_stride
     torch.set_num_threads(a.threads)
     os.makedirs(a.out, exist_ok=True)
-    tag = "quick" if quick else "full"
+    tag = ("quick" if quick else "full") + ("" if a.lr_scale == 1.0 else f"_lr{a.lr_scale:g}")
+    lrs = {k: v * a.lr_scale for k, v in LEARNING_RATES.items()}
     log_path = os.path.join(a.out, f"stability_{tag}.jsonl")
     settings = {"width": a.width, "steps": steps, "batch_size": bs, "test_stride": stride,
                 "data": os.path.abspath(a.data)}
+    if a.lr_scale != 1.0:
+        settings["lr_scale"] = a.lr_scale
     done = _load_done(log_path, settings) if a.resume else {}
     if not a.resume and os.path.exists(log_path):
         os.remove(log_path)
@@ -391,7 +398,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         _log(f"{label}: init certificate q={cert0.get('q')} sigma={cert0.get('sigma')} certified "
                              f"{cert0.get('certified_depth')}/{cert0.get('updates')} in {prec}")
                         res = train_run(model, train, test, precision=prec, steps=steps,
-                                        lr=LEARNING_RATES[VARIANTS[v][1]], log_every=max(1, steps // 2), label=label)
+                                        lr=lrs[VARIANTS[v][1]], log_every=max(1, steps // 2), label=label)
                         cert1 = certificate_summary(model, prec)
                         run = {"variant": v, "model": VARIANTS[v][0], "q_variant": VARIANTS[v][2], "depth": D,
                                "pred_len": H, "precision": prec, "seed": seed, "steps": steps, "batch_size": bs,
@@ -410,7 +417,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     elapsed = time.time() - t_all
     seconds_all = round(sum(float(r["seconds"]) for r in runs), 1)
     meta = {"command": "python benchmarks/stability.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "mode": tag, **settings, "learning_rates": LEARNING_RATES, "blowup_mse": BLOWUP_MSE,
+            "mode": tag, **settings, "learning_rates": lrs, "blowup_mse": BLOWUP_MSE,
             "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
                        f"{torch.get_num_threads()} threads",
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seconds": round(elapsed, 1),

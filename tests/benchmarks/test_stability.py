@@ -101,3 +101,12 @@ def test_width_overrides_build_the_named_size():
         widths = {mod.normalized_shape[0] for mod in model.modules() if isinstance(mod, torch.nn.LayerNorm)}
         linear_in = {mod.in_features for mod in model.modules() if isinstance(mod, torch.nn.Linear)}
         assert 16 in linear_in and widths <= {16}
+
+
+def test_command_line_rejects_bad_settings():
+    from stability import main
+
+    for argv in (["--lr-scale", "0"], ["--lr-scale", "nan"], ["--steps", "0"], ["--variants", "nope"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
