@@ -285,13 +285,17 @@ def plot(rows: List[Dict[str, Any]], path: str) -> Optional[str]:
     fig, ax = plt.subplots(figsize=(1.0 * len(variants) + 2, 3.5))
     w = 0.8 / len(depths)
     for j, D in enumerate(depths):
-        rates = []
+        rates, labels = [], []
         for v in variants:
             rs = [r for r in rows if r["variant"] == v and r["depth"] == D]
             n = sum(r["runs"] for r in rs)
-            rates.append(100.0 * sum(r["blowups"] for r in rs) / n if n else float("nan"))
+            blown = sum(r["blowups"] for r in rs)
+            rates.append(100.0 * blown / n if n else float("nan"))
+            labels.append(f"{blown}/{n}")
         xs = [i + (j - (len(depths) - 1) / 2) * w for i in range(len(variants))]
         ax.bar(xs, rates, w, label=f"D = {D} layers")
+        for x, rate, text in zip(xs, rates, labels):  # the counts, readable even at a rate of 0
+            ax.text(x, (0.0 if math.isnan(rate) else rate) + 1.5, text, ha="center", va="bottom", fontsize=6)
     ax.set_xticks(range(len(variants)))
     ax.set_xticklabels([f"{v}\nq={VARIANTS[v][2]}" for v in variants], fontsize=7)
     ax.set_ylabel("blow-up rate (%)")
