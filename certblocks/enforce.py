@@ -210,22 +210,8 @@ def _linear_slots(lin: nn.Linear, sizes: List[int], wkeys: List[str], bkeys: Lis
     return [s for s in out if s is not None]
 
 
-def fold_peak(polys, what):
-    """:func:`certblocks.blocks._coeffs.fold_peak`, imported on use (the blocks load lazily)."""
-    from .blocks._coeffs import fold_peak as fold
-
-    return fold(polys, what)
-
-
-def normalized_peak(*args):
-    """:func:`certblocks.blocks._coeffs.normalized_peak`, imported on use."""
-    from .blocks._coeffs import normalized_peak as peak
-
-    return peak(*args)
-
-
 def _plan_mlp(name: str, m: nn.Module) -> _Plan:
-    from .blocks._coeffs import act_lipschitz
+    from .blocks._coeffs import act_lipschitz, fold_peak
 
     slots = _linear_slots(m.fc1, [m.fc1.out_features], ["a1"], ["beta1"]) + \
         _linear_slots(m.fc2, [m.fc2.out_features], ["a2"], ["beta2"])
@@ -240,6 +226,8 @@ def _plan_mlp(name: str, m: nn.Module) -> _Plan:
 
 
 def _plan_gated(name: str, m: nn.Module) -> _Plan:
+    from .blocks._coeffs import fold_peak
+
     if m.gate != "sigmoid":
         raise TypeError(f"{name}: GatedMLP(gate={m.gate!r}) has q = 2 and cannot be certified in depth; "
                         "use gate='sigmoid'")
@@ -258,6 +246,8 @@ def _plan_gated(name: str, m: nn.Module) -> _Plan:
 
 
 def _plan_attention(name: str, m: nn.Module) -> _Plan:
+    from .blocks._coeffs import fold_peak
+
     D, H, s = m.dim, m.num_heads, m.scale
     slots = _linear_slots(m.in_proj, [D, D, D], ["aq", "ak", "av"], ["betaq", "betak", "betav"]) + \
         _linear_slots(m.out_proj, [D], ["ao"], ["betao"])
@@ -306,6 +296,8 @@ def _plan_normed(name: str, inner: _Plan, norm_in: nn.Module, norm_out: Optional
     Worst case from the caps: ``A = gamma sqrt(d) + beta``, ``G = gamma / sqrt(eps)``; pre ``c = c_F A^q + b_F``,
     ``l0 = L_F(A) G_in``; peri ``c = A_out``, ``l0 = G_out L_F(A_in) G_in`` (the blocks' grid bound is below these).
     """
+    from .blocks._coeffs import normalized_peak
+
     slots = list(inner.slots)
     norms = [("in", norm_in)] + ([("out", norm_out)] if norm_out is not None else [])
     info = {}
