@@ -8,7 +8,7 @@ their certificates (exponents, sound coefficients, the culprit and a fix).
 from .api import certify, certify_velocity, find_residual_updates
 from .atoms import Atom, register_atom, registered_atoms, unregister_atom
 from .capture import CapturedGraph, CaptureError, capture
-from .poly import Poly
+from ..bounds.poly import Poly
 from .report import NOT_DERIVED, ModelCertificate, NodeRow, TraceCertificate
 
 __all__ = [

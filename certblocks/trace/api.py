@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from .. import exponents as E
-from ..blocks._coeffs import fold_peak
+from ..bounds import fold_peak
 from ..certificate import BlockCertificate, Peak
 from .capture import CapturedGraph, capture
 from .interp import _CASTS, VelocityInterpreter, op_name
-from .poly import Poly
+from ..bounds.poly import Poly
 from .report import NOT_DERIVED, ModelCertificate, TraceCertificate, node_row
 from .values import AValue
 

@@ -21,8 +21,8 @@ import torch
 from .. import exponents as E
 from ..exponents import Exponents
 from . import atoms as _atoms
-from .opnorm import inf_norm, op_norm
-from .poly import Poly
+from ..bounds.norms import inf_norm, op_norm
+from ..bounds.poly import Poly
 from .values import AValue, max_abs, row_norm
 
 __all__ = ["VelocityInterpreter", "op_name"]

@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..exponents import CONSTANT, Exponents
-from .poly import Poly
+from ..bounds.poly import Poly
 
 __all__ = ["AValue", "row_norm", "max_abs", "sign_of"]
 

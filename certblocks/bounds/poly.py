@@ -1,4 +1,4 @@
-"""Upper-bound polynomials ``P(r) = sum_k a_k r^{e_k}`` with ``a_k >= 0`` and real ``e_k >= 0``.
+"""Upper-bound polynomials ``P(r) = sum_k a_k r^{e_k}`` (``a_k >= 0``, real ``e_k >= 0``) and the peak algebra.
 
 The tracer propagates, for every node of a velocity's graph, two such bounds in the
 radius ``r`` of the velocity's input (per-token norm):
@@ -12,14 +12,22 @@ substitution.  The degrees follow the exponent algebra of :mod:`certblocks.expon
 exactly (product adds degrees, composition multiplies them), and :meth:`Poly.collapse_growth`
 / :meth:`Poly.collapse_jacobian` turn a polynomial into the two-term form
 ``c r^q + b`` / ``l1 max(R, 1)^sigma + l0`` of a :class:`~certblocks.certificate.BlockCertificate`.
+The blocks write their hand-derived bounds with the same class.
+
+Peaks (:class:`~certblocks.certificate.Peak`, a bound ``c R^q + b`` on every intermediate value of a
+block) are folded from such polynomials by :func:`fold_peak`; :func:`normalized_peak` is the peak of a
+branch between normalizations.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Dict, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
-__all__ = ["Poly"]
+from ..certificate import Peak
+from .norms import rounded_up
+
+__all__ = ["Poly", "psum", "fold_peak", "peak_poly", "normalized_peak"]
 
 _TOL = 1e-9
 
@@ -131,12 +139,15 @@ class Poly:
         return out
 
     # collapse to certificate form ----------------------------------------------------------
-    def collapse_growth(self, q: float) -> Tuple[float, float]:
+    def collapse_growth(self, q: float, t: float = 1.0) -> Tuple[float, float]:
         """``(c, b)`` with ``P(r) <= c r^q + b`` for every ``r >= 0``.
 
-        Terms with ``0 < e < q`` are split by Young's inequality
-        ``r^e <= (e/q) r^q + (1 - e/q)``.  Raises ``ValueError`` when the degree exceeds ``q``.
+        Terms with ``0 < e < q`` are split by Young's inequality at the scale ``t > 0``,
+        ``r^e <= (e/q) t^(e-q) r^q + (1 - e/q) t^e`` (equality at ``r = t``): sound for every ``r``,
+        tightest near ``r = t``.  Raises ``ValueError`` when the degree exceeds ``q``.
         """
+        if not t > 0:
+            raise ValueError(f"the folding scale t must be > 0, got {t!r}")
         c = b = 0.0
         for e, a in self.terms.items():
             if e > q + _TOL:
@@ -146,9 +157,9 @@ class Poly:
             elif abs(e - q) <= _TOL:
                 c += a
             else:
-                c += a * e / q
-                b += a * (1 - e / q)
-        return c, b
+                c += a * (e / q) * t ** (e - q)
+                b += a * (1 - e / q) * t**e
+        return rounded_up(c, len(self.terms)), rounded_up(b, len(self.terms))
 
     def collapse_jacobian(self, sigma: float) -> Tuple[float, float]:
         """``(l1, l0)`` with ``P(R) <= l1 max(R, 1)^sigma + l0`` for every ``R >= 0``."""
@@ -160,7 +171,7 @@ class Poly:
                 l0 += a
             else:
                 l1 += a
-        return l1, l0
+        return rounded_up(l1, len(self.terms)), l0
 
     def __repr__(self) -> str:
         if not self.terms:
@@ -185,3 +196,53 @@ def psum(polys: Iterable[Optional[Poly]]) -> Optional[Poly]:
             return None
         out = out + p
     return out
+
+
+def fold_peak(polys: Sequence[Union[Poly, Mapping[float, float]]], what: str) -> Peak:
+    """One :class:`~certblocks.certificate.Peak` bounding several polynomial bounds in ``R = ||x||``.
+
+    Each polynomial (a :class:`Poly` or a mapping ``{power: coefficient}``, non-negative) bounds one
+    intermediate; the peak is their coefficient-wise maximum, with the middle powers folded into the top
+    one and the constant by ``R^p <= R^top + 1`` (``0 < p < top``, any ``R >= 0``), so it stays a sound
+    bound for every ``R``.
+
+    Args:
+        polys: the intermediates' bounds.
+        what: the intermediate that dominates at large ``R`` (reports).
+    """
+    merged: Dict[float, float] = {}
+    for poly in polys:
+        items = poly.terms.items() if isinstance(poly, Poly) else poly.items()
+        for p, coef in items:
+            if p < 0 or coef < 0 or not math.isfinite(coef):
+                raise ValueError(f"peak polynomial terms must be finite and non-negative, got {p}: {coef}")
+            merged[float(p)] = max(merged.get(float(p), 0.0), float(coef))
+    top = max((p for p, coef in merged.items() if coef > 0), default=0.0)
+    middle = math.fsum(coef for p, coef in merged.items() if 0.0 < p < top)
+    c = merged.get(top, 0.0) + middle if top > 0 else 0.0
+    b = merged.get(0.0, 0.0) + middle if top > 0 else merged.get(0.0, 0.0)
+    n = len(merged)
+    return Peak(top, rounded_up(c, n), rounded_up(b, n), what=what)
+
+
+def peak_poly(peak: Optional[Peak], q: Optional[float] = None, c: float = 0.0, b: float = 0.0) -> Dict[float, float]:
+    """``{power: coefficient}`` of a block's peak, or of its growth bound ``c R^q + b`` when it has none."""
+    if peak is not None:
+        return {peak.q: peak.c, 0.0: peak.b}
+    if q is None:
+        raise ValueError("a block without exponents has no intermediate bound")
+    return {q: c, 0.0: b}
+
+
+def normalized_peak(branch_peak: Optional[Peak], branch_q: Optional[float], branch_c: float, branch_b: float,
+                    a_in: float, c_out: float, what: str) -> Peak:
+    """Peak of a normalized update ``N_out(F(N_in(x)))``: every intermediate is a constant.
+
+    ``N_in(x)`` is at most ``a_in``; the branch's intermediates at most its peak (or growth bound) at
+    radius ``a_in``; the output at most ``c_out``.  The normalization itself is a primitive: its sum
+    of squares runs in float32 or wider (torch's kernels, certblocks' norms), and should it overflow
+    (past ``||x|| ~ 1.8e19``) the normalized value becomes 0, not inf or NaN.
+    """
+    poly = peak_poly(branch_peak, branch_q, branch_c, branch_b)
+    inner = math.fsum(coef * (a_in ** p if p != 0.0 else 1.0) for p, coef in poly.items())
+    return Peak(0.0, 0.0, rounded_up(max(a_in, inner, c_out), len(poly)), what=what)
