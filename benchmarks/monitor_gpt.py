@@ -124,7 +124,7 @@ def train(form: str, data: torch.Tensor, args: argparse.Namespace) -> Dict[str, 
     model = ByteGPT(form, args.layers, args.width, args.heads, args.block)
     emb_cap = None
     if form == "enforced":
-        from certblocks.enforce import enforce
+        from certblocks.enforcement import enforce
 
         # the certificate is for inputs of norm <= r0: keep every embedding row within r0 / 2 (renormed after
         # each step), and cap the updates' weights for that r0

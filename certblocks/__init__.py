@@ -12,8 +12,8 @@ from .certificate import BlockCertificate, Depths, Failure, Peak, StackCertifica
 
 # convert and enforce are functions named like their modules, so they are imported eagerly: a lazy
 # attribute would be replaced by the module as soon as anything imports certblocks.convert/enforce.
-from .convert import ConversionReport, convert
-from .enforce import EnforceReport, enforce, unenforce
+from .conversion import ConversionReport, convert
+from .enforcement import EnforceReport, enforce, unenforce
 from .exponents import Exponents
 from .stack import CertificationError, CertifiedStack, build_stack
 

@@ -177,7 +177,7 @@ def _build_source(spec: str, img_size: int, layers: int) -> Any:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from certblocks.convert import convert
+    from certblocks.conversion import convert
 
     try:
         model, example = _build_source(args.model, args.img_size, args.layers)

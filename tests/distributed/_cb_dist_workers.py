@@ -114,7 +114,7 @@ def ddp_enforce(rank: int, lr: float) -> Dict[str, Any]:
     """``enforce`` before the DDP wrapper, large-learning-rate steps, then the caps and the certificate."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from certblocks.enforce import NormCap, ScaleClamp, enforce, unenforce
+    from certblocks.enforcement import NormCap, ScaleClamp, enforce, unenforce
     from certblocks.monitor import CertificateMonitor
 
     out: Dict[str, Any] = {}
@@ -211,7 +211,7 @@ def fsdp_enforce(rank: int, lr: float) -> Dict[str, Any]:
     parameters unsharded, the caps and the certificate hold and both ranks hold the same effective weights."""
     from torch.distributed.fsdp import fully_shard
 
-    from certblocks.enforce import NormCap, ScaleClamp, enforce
+    from certblocks.enforcement import NormCap, ScaleClamp, enforce
     from certblocks.monitor import CertificateMonitor
 
     model = build("zoo")

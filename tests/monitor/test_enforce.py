@@ -11,7 +11,7 @@ from torch.nn.utils import parametrize
 
 import certblocks
 from certblocks.blocks import MLP, Attention, GatedMLP, LinearGrowthMamba, QKNormAttention
-from certblocks.enforce import NormCap, enforce, unenforce
+from certblocks.enforcement import NormCap, enforce, unenforce
 from certblocks.monitor import CertificateMonitor
 
 

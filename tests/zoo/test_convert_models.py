@@ -9,7 +9,7 @@ from torch import nn
 from certblocks.blocks.attention import QKNormAttention
 from certblocks.blocks.mamba import LinearGrowthMamba
 from certblocks.blocks.mlp import GatedMLP
-from certblocks.convert import ConversionReport, convert
+from certblocks.conversion import ConversionReport, convert
 from certblocks.exponents import Exponents
 
 
