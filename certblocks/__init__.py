@@ -1,53 +1,84 @@
 """certblocks: residual blocks with a stability certificate.
 
-Decide before training, for a given depth and dtype, whether the forward state
-or the gradient of a residual stack ``X_{k+1} = X_k + dt * v_k(X_k)`` can reach
-the largest finite value of the dtype.
+Decide before training, for a given depth and dtype, whether the forward state or the gradient of a
+residual stack ``X_{k+1} = X_k + dt * v_k(X_k)`` can reach the largest finite value of the dtype.
+
+``import certblocks`` is light: every public name is loaded from its module on first use (PEP 562), so
+that the pure-Python parts (``certblocks.budget``, ``certblocks.certificate``, ``certblocks.exponents``)
+and the ``certblocks budget`` / ``table`` commands never import torch. The functions ``convert`` and
+``enforce`` live in the modules ``certblocks.conversion`` and ``certblocks.enforcement``, named apart so
+that loading a module never replaces the package attribute of the same name.
 """
 
-from typing import Any
+from __future__ import annotations
 
-from .budget import float_max, jacobian_budget
-from .certificate import BlockCertificate, Depths, Failure, Peak, StackCertificate, certify_stack
-
-# convert and enforce are functions named like their modules, so they are imported eagerly: a lazy
-# attribute would be replaced by the module as soon as anything imports certblocks.convert/enforce.
-from .conversion import ConversionReport, convert
-from .enforcement import EnforceReport, enforce, unenforce
-from .exponents import Exponents
-from .stack import CertificationError, CertifiedStack, build_stack
+import importlib
+from typing import TYPE_CHECKING, Any, Dict, List
 
 __version__ = "0.1.0.dev0"
 
-# Heavier parts load on first use: ``certblocks.certify`` (the tracer) and the blocks.
-_LAZY = {
-    "certify": ("certblocks.trace", "certify"),
-    "register_atom": ("certblocks.trace", "register_atom"),
-    "Attention": ("certblocks.blocks", "Attention"),
-    "QKNormAttention": ("certblocks.blocks", "QKNormAttention"),
-    "MLP": ("certblocks.blocks", "MLP"),
-    "GatedMLP": ("certblocks.blocks", "GatedMLP"),
-    "PatchTSTBlock": ("certblocks.blocks", "PatchTSTBlock"),
-    "LinearGrowthMamba": ("certblocks.blocks", "LinearGrowthMamba"),
-    "Mamba": ("certblocks.blocks", "Mamba"),
-    "CertificateMonitor": ("certblocks.monitor", "CertificateMonitor"),
-    "CertificateWarning": ("certblocks.monitor", "CertificateWarning"),
+#: public name -> the module that defines it.
+_LAZY: Dict[str, str] = {
+    "float_max": "certblocks.budget",
+    "jacobian_budget": "certblocks.budget",
+    "BlockCertificate": "certblocks.certificate",
+    "Depths": "certblocks.certificate",
+    "Failure": "certblocks.certificate",
+    "Peak": "certblocks.certificate",
+    "StackCertificate": "certblocks.certificate",
+    "certify_stack": "certblocks.certificate",
+    "Exponents": "certblocks.exponents",
+    "ConversionReport": "certblocks.conversion",
+    "convert": "certblocks.conversion",
+    "EnforceReport": "certblocks.enforcement",
+    "enforce": "certblocks.enforcement",
+    "unenforce": "certblocks.enforcement",
+    "CertificationError": "certblocks.stack",
+    "CertifiedStack": "certblocks.stack",
+    "build_stack": "certblocks.stack",
+    "certify": "certblocks.trace",
+    "register_atom": "certblocks.trace",
+    "Attention": "certblocks.blocks",
+    "QKNormAttention": "certblocks.blocks",
+    "MLP": "certblocks.blocks",
+    "GatedMLP": "certblocks.blocks",
+    "PatchTSTBlock": "certblocks.blocks",
+    "LinearGrowthMamba": "certblocks.blocks",
+    "Mamba": "certblocks.blocks",
+    "CertificateMonitor": "certblocks.monitor",
+    "CertificateWarning": "certblocks.monitor",
 }
+
+#: submodules that ``import certblocks`` used to load eagerly; reachable as attributes, loaded on first use.
+_SUBMODULES = ("budget", "certificate", "exponents", "conversion", "enforcement", "stack", "trace", "blocks",
+               "monitor")
+
+if TYPE_CHECKING:  # what static checkers and IDEs see; nothing is imported at run time
+    from .blocks import MLP, Attention, GatedMLP, LinearGrowthMamba, Mamba, PatchTSTBlock, QKNormAttention
+    from .budget import float_max, jacobian_budget
+    from .certificate import BlockCertificate, Depths, Failure, Peak, StackCertificate, certify_stack
+    from .conversion import ConversionReport, convert
+    from .enforcement import EnforceReport, enforce, unenforce
+    from .exponents import Exponents
+    from .monitor import CertificateMonitor, CertificateWarning
+    from .stack import CertificationError, CertifiedStack, build_stack
+    from .trace import certify, register_atom
 
 
 def __getattr__(name: str) -> Any:
+    """Load a public name (or a submodule) on first use and keep it in the package namespace."""
     if name in _LAZY:
-        import importlib
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
-        module, attr = _LAZY[name]
-        value = getattr(importlib.import_module(module), attr)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'certblocks' has no attribute {name!r}")
 
-
-def __dir__() -> list:
-    return sorted(set(globals()) | set(_LAZY))
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))
 
 
 __all__ = [
