@@ -1,4 +1,4 @@
-"""The certblocks command line, and the README that shows it."""
+"""The certblocks command line: output, one-line errors, exit codes, and the README that shows it."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from certblocks import cli
+from certblocks.cli import table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,6 +18,14 @@ def run(capsys, *argv):
     code = cli.main(list(argv))
     out = capsys.readouterr()
     return code, out.out, out.err
+
+
+def assert_one_line_error(err: str, command: str, needle: str) -> None:
+    """A usage error is exactly one line on stderr, names the command and the problem, and has no traceback."""
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"certblocks {command}: error: "), err
+    assert needle in lines[0], err
 
 
 def test_budget_prints_the_depth_table(capsys):
@@ -46,20 +55,43 @@ def test_budget_with_a_peak(capsys):
 
 
 @pytest.mark.parametrize("argv, needle", [(["--q", "1", "--dtype", "fp99"], "dtype 'fp99' is not supported"),
+                                          (["--q", "1", "--dtype", ","], "needs at least one dtype"),
                                           (["--q", "-1"], "q must be a finite number >= 0"),
                                           (["--q", "1", "--peak", "2", "-1", "0"], "peak c must be >= 0"),
-                                          (["--q", "1", "--dt", "0"], "dt must be > 0")])
-def test_budget_errors_exit_2_with_a_message(capsys, argv, needle):
-    code, _, err = run(capsys, "budget", *argv)
-    assert code == 2 and needle in err
+                                          (["--q", "1", "--dt", "0"], "dt must be > 0"),
+                                          (["--q", "one"], "argument --q: invalid float value: 'one'")])
+def test_budget_errors_exit_2_with_one_line(capsys, argv, needle):
+    code, out, err = run(capsys, "budget", *argv)
+    assert code == 2 and out == ""
+    assert_one_line_error(err, "budget", needle)
 
 
 def test_table_and_readme_are_current(capsys):
     code, out, _ = run(capsys, "table", "--markdown")
     assert code == 0 and "| 1 | 16 | 128 | 128 | 1,024 |" in out
     readme = (ROOT / "README.md").read_text()
-    block = readme.split(cli.README_START, 1)[1].split(cli.README_END, 1)[0].strip()
+    block = readme.split(table.README_START, 1)[1].split(table.README_END, 1)[0].strip()
     assert block == out.strip(), "README table is stale: run `make readme`"
+
+
+def test_table_update_readme(tmp_path, capsys):
+    path = tmp_path / "README.md"
+    path.write_text(f"# title\n{table.README_START}\nold\n{table.README_END}\ntail\n")
+    code, out, _ = run(capsys, "table", "--update-readme", str(path))
+    assert code == 0 and out.strip() == f"{path}: updated"
+    assert table.forward_table_text(markdown=True) in path.read_text() and "old" not in path.read_text()
+    code, out, _ = run(capsys, "table", "--update-readme", str(path))
+    assert code == 0 and out.strip() == f"{path}: already up to date"
+
+
+def test_table_update_readme_errors(tmp_path, capsys):
+    code, _, err = run(capsys, "table", "--update-readme", "/nonexistent/README.md")
+    assert code == 2
+    assert_one_line_error(err, "table", "'/nonexistent/README.md': No such file or directory")
+    (tmp_path / "plain.md").write_text("no markers\n")
+    code, _, err = run(capsys, "table", "--update-readme", str(tmp_path / "plain.md"))
+    assert code == 2
+    assert_one_line_error(err, "table", "has no generated-table markers")
 
 
 def test_readme_python_examples_run(capsys):
@@ -74,9 +106,132 @@ def test_readme_python_examples_run(capsys):
     assert namespace["model"].certificate.certified_depth == 8
 
 
+def test_readme_documents_the_exit_codes():
+    readme = (ROOT / "README.md").read_text()
+    for code in ("`0`", "`1`", "`2`", "`3`"):
+        assert code in readme.split("### Exit status", 1)[1].split("##", 1)[0]
+    for line in ("* 0 --", "* 1 --", "* 2 --", "* 3 --"):
+        assert line in cli.__doc__
+
+
 def test_demo_runs(capsys):
     code, out, _ = run(capsys, "demo", "--dtype", "fp16")
     assert code == 0 and "CertificationError" in out and "certified: all 24 updates" in out
+
+
+def test_zoo_bad_dtype_is_one_line(capsys):
+    code, out, err = run(capsys, "zoo", "--dtype", "fp12")
+    assert code == 2 and out == ""
+    assert_one_line_error(err, "zoo", "argument --dtype: dtype 'fp12' is not supported; allowed: bf16, fp16")
+
+
+def test_convert_unknown_timm_model_is_one_line(capsys):
+    pytest.importorskip("timm")
+    code, out, err = run(capsys, "convert", "timm:nonexist")
+    assert code == 2 and out == ""
+    assert_one_line_error(err, "convert", "timm could not create 'nonexist'")
+
+
+@pytest.mark.parametrize("value, got", [("0", "0"), ("-3", "-3"), ("two", "'two'")])
+def test_convert_layers_must_be_at_least_1(capsys, value, got):
+    code, out, err = run(capsys, "convert", "hf:gpt2", "--layers", value)
+    assert code == 2 and out == ""
+    assert_one_line_error(err, "convert", f"argument --layers: must be an integer >= 1, got {got} (see")
+
+
+def test_convert_unknown_form_is_one_line(capsys):
+    code, _, err = run(capsys, "convert", "resnet50")
+    assert code == 2
+    assert_one_line_error(err, "convert", "MODEL must be timm:NAME")
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("module:os.path:join", "os.path.join() raised TypeError"),
+    ("module:os.path:sep", "os.path has no callable 'sep'"),
+    ("module:no_such_module_xyz:make", "cannot import 'no_such_module_xyz'"),
+    ("module:only_one_part", "module:pkg.mod:factory"),
+    ("hf:bert", "hf:bert is not supported"),
+])
+def test_certify_bad_model_is_one_line(capsys, spec, needle):
+    code, out, err = run(capsys, "certify", spec)
+    assert code == 2 and out == ""
+    assert_one_line_error(err, "certify", needle)
+
+
+def test_certify_takes_one_dtype_with_a_model(capsys):
+    code, _, err = run(capsys, "certify", "module:os.path:join", "--dtype", "fp16,bf16")
+    assert code == 2
+    assert_one_line_error(err, "certify", "--dtype takes one dtype with a MODEL, got 'fp16,bf16'")
+
+
+_FACTORY = """\
+import torch
+from torch import nn
+
+
+class Square(nn.Module):
+    def forward(self, x):
+        return x + x * x  # one residual update of exponent q = 2
+
+
+def make():
+    return Square(), torch.randn(1, 4, 8)
+"""
+
+
+@pytest.mark.parametrize("r0, expected", [("1", 0), ("1000", 1)])
+def test_certify_exit_status_says_whether_certified(tmp_path, monkeypatch, capsys, r0, expected):
+    # R_1 = r0 + r0^2: 2 in fp16 is certified (exit 0); 1000 + 1e6 > 65504 is not (exit 1)
+    (tmp_path / "cb_cli_square.py").write_text(_FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, err = run(capsys, "certify", "module:cb_cli_square:make", "--dtype", "fp16", "--r0", r0)
+    assert code == expected, out + err
+    assert err == "" and ("certified: all 1 updates" in out) == (expected == 0)
+
+
+def test_help_returns_0_and_lists_every_command(capsys):
+    code, out, _ = run(capsys, "--help")
+    assert code == 0
+    for name in cli.COMMANDS:
+        assert name in out
+    for name in cli.COMMANDS:
+        code, out, _ = run(capsys, name, "--help")
+        assert code == 0 and out.startswith(f"usage: certblocks {name}")
+
+
+def test_missing_or_unknown_command_exits_2(capsys):
+    code, _, err = run(capsys)
+    assert code == 2 and err.startswith("certblocks: error: the following arguments are required: COMMAND")
+    code, _, err = run(capsys, "budgte")
+    assert code == 2 and err.startswith("certblocks: error: argument COMMAND: invalid choice: 'budgte'")
+    assert len(err.splitlines()) == 1
+
+
+def test_an_internal_error_exits_3_with_the_traceback(capsys, monkeypatch):
+    def broken(*, markdown: bool = False) -> str:
+        raise RuntimeError("deliberately broken")
+
+    monkeypatch.setattr(table, "forward_table_text", broken)
+    code, out, err = run(capsys, "table")
+    assert code == 3 and out == ""
+    assert "Traceback" in err and "RuntimeError: deliberately broken" in err
+    assert err.splitlines()[-1] == "certblocks table: internal error (a bug; please report it with the traceback above)"
+
+
+def test_an_interrupt_exits_130(capsys, monkeypatch):
+    def interrupted(*, markdown: bool = False) -> str:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(table, "forward_table_text", interrupted)
+    code, _, err = run(capsys, "table")
+    assert code == 130 and err.strip() == "certblocks table: interrupted"
+
+
+def test_add_command_rejects_an_unknown_name():
+    import argparse
+
+    with pytest.raises(ValueError, match="name must be one of .*'budget'.*got 'nope'"):
+        cli.add_command(argparse.ArgumentParser().add_subparsers(), "nope")
 
 
 def test_convert_and_enforce_are_functions_after_their_modules_load():
@@ -86,3 +241,15 @@ def test_convert_and_enforce_are_functions_after_their_modules_load():
 
     assert callable(certblocks.convert) and callable(certblocks.enforce) and callable(certblocks.unenforce)
     assert certblocks.convert.__module__ == "certblocks.conversion"
+    assert callable(certblocks.certify) and certblocks.certify.__module__.startswith("certblocks.trace")
+
+
+def test_lazy_package_namespace():
+    import certblocks
+
+    assert set(certblocks.__all__) <= set(dir(certblocks))
+    for name in certblocks.__all__:
+        assert getattr(certblocks, name) is not None
+    assert certblocks.budget.float_max("fp16") == 65504.0  # a submodule the package used to load eagerly
+    with pytest.raises(AttributeError, match="module 'certblocks' has no attribute 'nope'"):
+        certblocks.nope  # noqa: B018

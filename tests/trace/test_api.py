@@ -23,7 +23,7 @@ from certblocks.trace import (
     registered_atoms,
     unregister_atom,
 )
-from certblocks.trace.cli import ModelSpecError, add_certify_parser, load_model, run_certify
+from certblocks.cli.certify import ModelSpecError, add_certify_parser, load_model, run_certify
 
 D = 6
 

@@ -1,18 +1,16 @@
-"""What ``make demo`` prints: certificate tables and a stack that is refused."""
+"""``certblocks demo``: what ``make demo`` prints first: certificate tables and a stack that is refused."""
 
 from __future__ import annotations
 
+import argparse
 from typing import Sequence
 
-import torch
-from torch import nn
+from certblocks import exponents as ex
 
-from . import exponents as ex
-from .certificate import BlockCertificate
-from .cli import format_depth, forward_table_text, render_table
-from .stack import CertificationError, build_stack
+from ._common import command, dtype_list
+from .formatting import format_depth, render_table
 
-__all__ = ["run_demo", "REFERENCE_BLOCKS"]
+__all__ = ["REFERENCE_BLOCKS", "add_arguments", "run_demo"]
 
 #: THEORY.md's derived block exponents.
 REFERENCE_BLOCKS = (
@@ -27,24 +25,32 @@ REFERENCE_BLOCKS = (
 )
 
 
-class _ScaledLinear(nn.Module):
-    """A linear velocity ``v(x) = W x`` whose certificate is read off ``||W||_op``."""
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``certblocks demo``."""
+    p.add_argument("--dtype", type=dtype_list, default="fp16,bf16,fp32",
+                   help="comma-separated dtypes (default fp16,bf16,fp32)")
+    p.set_defaults(func=_run_command)
 
-    def __init__(self, dim: int, norm: float, generator: torch.Generator) -> None:
-        super().__init__()
-        w = torch.randn(dim, dim, generator=generator)
-        self.weight = nn.Parameter(w * (norm / torch.linalg.matrix_norm(w, ord=2)))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.weight.T
-
-    def certificate(self) -> BlockCertificate:
-        op = float(torch.linalg.matrix_norm(self.weight.detach().double(), ord=2))
-        return BlockCertificate(1, 0, c=op, l1=0.0, l0=op)
+@command("demo")
+def _run_command(args: argparse.Namespace) -> int:
+    return run_demo(args.dtype)
 
 
 def run_demo(dtypes: Sequence[str] = ("fp16", "bf16", "fp32")) -> int:
-    """Print the demo tables; returns a process exit code."""
+    """Print the demo tables; returns the exit status (0).
+
+    Raises:
+        RuntimeError: the stack the demo shows refused was certified (a bug in the budgets).
+    """
+    import torch
+
+    from certblocks.certificate import BlockCertificate
+    from certblocks.stack import CertificationError, build_stack
+
+    from ._scaled_linear import ScaledLinear
+    from .table import forward_table_text
+
     print("== Forward overflow depth D*_F (first depth at which the radius bound reaches M), c = dt = r0 = 1, b = 0")
     print(forward_table_text())
     print()
@@ -59,19 +65,17 @@ def run_demo(dtypes: Sequence[str] = ("fp16", "bf16", "fp32")) -> int:
     print(render_table(header, rows))
     print()
     gen = torch.Generator().manual_seed(0)
-    blocks = [_ScaledLinear(32, 0.4, gen) for _ in range(24)]
-    stack = build_stack(blocks, torch.float16)
+    stack = build_stack([ScaledLinear(32, 0.4, gen) for _ in range(24)], torch.float16)
     print("== build_stack: 24 linear velocities with ||W||_op = 0.4 in fp16")
     print(stack.certificate.explain())
     print()
     print("== build_stack refuses: 10 such updates followed by 4 SwiGLU-like updates (q = 2) in fp16")
     swiglu = BlockCertificate(2, 1, c=1.0, l1=1.0, l0=1.0, culprit="SiLU(W_u x) * (W_g x)")
-    specs = [_ScaledLinear(32, 0.4, gen) for _ in range(10)] + [(_ScaledLinear(32, 0.4, gen), swiglu) for _ in range(4)]
+    specs = [ScaledLinear(32, 0.4, gen) for _ in range(10)] + [(ScaledLinear(32, 0.4, gen), swiglu) for _ in range(4)]
     try:
         build_stack(specs, "fp16")
     except CertificationError as err:
         print(f"CertificationError: {err}")
-    else:  # pragma: no cover - the demo is wrong if this happens
-        print("unexpected: the stack was certified")
-        return 1
+    else:  # pragma: no cover - the budgets are wrong if this happens
+        raise RuntimeError("build_stack certified 10 linear updates followed by 4 q = 2 updates in fp16")
     return 0

@@ -1,0 +1,198 @@
+"""MODEL arguments of ``certblocks certify`` and ``certblocks convert``: a string -> a module and an input.
+
+Random weights, nothing downloaded. torch, timm and transformers are imported when a model is built,
+never when this module is imported (``--help`` stays light).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any, Optional, Tuple
+
+from ._common import UsageError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ModelSpecError", "load_model", "load_backbone"]
+
+_FORMS = "timm:<name>, hf:gpt2, hf:mamba or module:pkg.mod:factory"
+
+
+class ModelSpecError(UsageError):
+    """MODEL could not be resolved to a module (exit status 2 on the command line)."""
+
+
+def _example_ids(vocab: int, seq_len: int) -> torch.Tensor:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab, (1, seq_len), generator=g)
+
+
+def _timm_model(name: str, **kwargs: Any) -> Any:
+    try:
+        import timm
+    except ImportError as exc:
+        raise ModelSpecError("timm:<name> needs timm (pip install 'certblocks[timm]')") from exc
+    try:
+        return timm.create_model(name, pretrained=False, **kwargs)
+    except Exception as exc:  # timm raises RuntimeError for an unknown name, TypeError for an unknown kwarg
+        raise ModelSpecError(f"timm could not create {name!r}: {exc}") from exc
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ModelSpecError("hf:<name> needs transformers (pip install 'certblocks[hf]')") from exc
+    return transformers
+
+
+def load_model(spec: str, seq_len: int = 8) -> Tuple[torch.nn.Module, Any]:
+    """Resolve ``certblocks certify``'s MODEL to ``(module, example_input)``.
+
+    Args:
+        spec: ``timm:<name>`` (on a random image of the model's input size), ``hf:gpt2`` / ``hf:mamba``
+            (the default config's base model, on ``seq_len`` random token ids), ``module:pkg.mod:factory``
+            (``factory()`` returns ``(module, example_input)`` or a module with an ``example_input``), or a
+            zoo name.
+        seq_len: the sequence length of token inputs.
+
+    Raises:
+        ModelSpecError: the spec names nothing that can be built, or building it failed.
+    """
+    if not isinstance(spec, str) or not spec:
+        raise ModelSpecError(f"MODEL must be a non-empty string, got {spec!r}")
+    if seq_len < 1:
+        raise ModelSpecError(f"--seq-len must be >= 1, got {seq_len}")
+    import torch
+
+    torch.manual_seed(0)
+    if spec.startswith("timm:"):
+        model = _timm_model(spec[5:])
+        cfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None) or {}
+        size = tuple(cfg.get("input_size", (3, 224, 224)))
+        return model.eval(), torch.randn(1, *size)
+    if spec.startswith("hf:"):
+        name = spec[3:].lower()
+        tr = _transformers()
+        if name in ("gpt2", "gpt2-small", "gpt2-124m"):
+            cfg = tr.GPT2Config()
+            return tr.GPT2Model(cfg).eval(), _example_ids(cfg.vocab_size, seq_len)
+        if name in ("mamba", "mamba-130m"):
+            cfg = tr.MambaConfig()
+            return tr.MambaModel(cfg).eval(), _example_ids(cfg.vocab_size, seq_len)
+        raise ModelSpecError(f"hf:{name} is not supported; allowed: hf:gpt2, hf:mamba (random weights from the "
+                             "default config)")
+    if spec.startswith("module:"):
+        return _from_factory(spec)
+    return _from_zoo(spec, seq_len)
+
+
+def _from_factory(spec: str) -> Tuple[torch.nn.Module, Any]:
+    import torch
+
+    rest = spec[len("module:"):]
+    if rest.count(":") != 1:
+        raise ModelSpecError(f"module:... must be module:pkg.mod:factory, got {spec!r}")
+    mod_name, fn_name = rest.split(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except Exception as exc:  # ImportError, or whatever the module raises while it loads
+        raise ModelSpecError(f"cannot import {mod_name!r}: {type(exc).__name__}: {exc}") from exc
+    fn = getattr(mod, fn_name, None)
+    if fn is None or not callable(fn):
+        raise ModelSpecError(f"{mod_name} has no callable {fn_name!r}")
+    try:
+        res = fn()
+    except Exception as exc:  # the factory is the user's code: report it, do not crash
+        raise ModelSpecError(f"{spec}: {mod_name}.{fn_name}() raised {type(exc).__name__}: {exc}; the factory takes "
+                             "no argument and returns a module or (module, example_input)") from exc
+    if isinstance(res, tuple) and len(res) == 2 and isinstance(res[0], torch.nn.Module):
+        return res[0].eval(), res[1]
+    if isinstance(res, torch.nn.Module):
+        ex = getattr(res, "example_input", None)
+        ex = ex() if callable(ex) else ex
+        if ex is None:
+            raise ModelSpecError(f"{spec}: the factory returned a module without an example input; return "
+                                 "(module, example_input) or give the module an `example_input` attribute")
+        return res.eval(), ex
+    raise ModelSpecError(f"{spec}: the factory must return a module or (module, example_input), got "
+                         f"{type(res).__name__}")
+
+
+def _from_zoo(spec: str, seq_len: int) -> Tuple[torch.nn.Module, Any]:
+    try:
+        zoo = importlib.import_module("certblocks.zoo")
+    except ImportError:
+        zoo = None
+    create = getattr(zoo, "create_model", None) if zoo is not None else None
+    if create is None:
+        raise ModelSpecError(f"{spec!r} is not {_FORMS}, and the certblocks model zoo "
+                             "(certblocks.zoo.create_model) is not available")
+    try:
+        model = create(spec, certify=False)  # built even past its budget: certify reports it (exit status 1)
+    except Exception as exc:
+        raise ModelSpecError(f"{spec!r} is not {_FORMS}, and the zoo could not build it: {exc}") from exc
+    return model.eval(), _zoo_example(model, spec, seq_len)
+
+
+def _zoo_example(model: torch.nn.Module, spec: str, seq_len: int) -> Any:
+    """An example input for a zoo model: its ``example_input(seq_len)``, else a guess from its attributes."""
+    import torch
+
+    ex = getattr(model, "example_input", None)
+    if ex is not None:
+        return ex(seq_len) if callable(ex) else ex
+    pe = getattr(model, "patch_embed", None)
+    img = getattr(pe, "img_size", None)
+    if img is not None:
+        chans = getattr(getattr(pe, "proj", None), "in_channels", 3)
+        h, w = (img, img) if isinstance(img, int) else tuple(img)
+        return torch.randn(1, chans, h, w)
+    cfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None)
+    if isinstance(cfg, dict) and "input_size" in cfg:
+        return torch.randn(1, *cfg["input_size"])
+    vocab = getattr(model, "vocab_size", None) or getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(vocab, int):
+        return _example_ids(vocab, seq_len)
+    raise ModelSpecError(f"zoo model {spec!r} has no example_input(seq_len) and its input cannot be guessed; use "
+                         "module:pkg.mod:factory returning (module, example_input)")
+
+
+def load_backbone(spec: str, *, img_size: int = 224, layers: Optional[int] = None) -> Tuple[torch.nn.Module, Any]:
+    """Resolve ``certblocks convert``'s MODEL to ``(model, example_input)``.
+
+    Args:
+        spec: ``timm:NAME`` (on a random ``img_size`` image), ``hf:gpt2`` or ``hf:mamba`` (the causal-LM
+            model, on 64 random token ids).
+        img_size: the image size of timm models.
+        layers: the number of blocks/layers (None: the model's default).
+
+    Raises:
+        ModelSpecError: an unknown form, a bad size, or the model could not be built.
+    """
+    if layers is not None and layers < 1:
+        raise ModelSpecError(f"--layers must be >= 1, got {layers}")
+    if img_size < 1:
+        raise ModelSpecError(f"--img-size must be >= 1, got {img_size}")
+    import torch
+
+    torch.manual_seed(0)
+    if spec.startswith("timm:"):
+        kw: dict = {"img_size": img_size}
+        if layers is not None:
+            kw["depth"] = layers
+        model = _timm_model(spec[5:], **kw).eval()
+        return model, torch.randn(1, 3, img_size, img_size)
+    if spec in ("hf:gpt2", "hf:mamba"):
+        tr = _transformers()
+        if spec == "hf:gpt2":
+            model = tr.GPT2LMHeadModel(tr.GPT2Config(n_layer=12 if layers is None else layers)).eval()
+        else:
+            cfg = tr.MambaConfig(num_hidden_layers=24 if layers is None else layers, use_mambapy=False)
+            model = tr.MambaForCausalLM(cfg).eval()
+        return model, {"input_ids": torch.randint(0, 1000, (1, 64)), "use_cache": False}
+    raise ModelSpecError(f"MODEL must be timm:NAME (e.g. timm:vit_tiny_patch16_224), hf:gpt2 or hf:mamba, got "
+                         f"{spec!r}")

@@ -1,0 +1,142 @@
+"""``certblocks zoo``: the zoo's models and their certificates; :func:`run_certify_zoo` for ``certblocks certify``.
+
+Models are built with seed 0 and ``certify=False`` so that the ones past their budget are shown, not refused;
+certificates use each model's default ``r0`` (from its embedding weights) and ``seq_len``. The zoo (and with it
+timm, which it registers models in) is imported when a command runs, never for ``--help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any, List, Optional, Sequence, TextIO
+
+from ._common import UsageError, command, dtype_list
+from .formatting import format_exponents, format_number, render_table, verdict
+
+__all__ = ["DEFAULT_DTYPES", "add_arguments", "model_table", "run_certify_zoo", "run_zoo", "zoo_table"]
+
+DEFAULT_DTYPES = ("fp16", "bf16", "fp32")
+
+
+def _exponent_summary(cert: Any) -> str:
+    seen: List[str] = []
+    for u in cert.updates:
+        e = format_exponents(u.q, u.sigma)
+        if e not in seen:
+            seen.append(e)
+    return " ".join(seen)
+
+
+def model_table(model: Any, dtypes: Sequence[str] = DEFAULT_DTYPES, *, markdown: bool = False) -> str:
+    """A zoo model's certificate table.
+
+    One row per residual update (exponents, coefficients), then one row per dtype (certified depth, forward
+    and backward depths, final radius, gradient bound, first failure).
+    """
+    f3 = format_number
+    certs = [model.certificate(d) for d in dtypes]
+    first = certs[0]
+    rows = [[u.name, format_exponents(u.q, u.sigma), f3(u.c), f3(u.b), f3(u.l1), f3(u.l0)] for u in first.updates]
+    upd = render_table(["update", "(q, sigma)", "c", "b", "l1", "l0"], rows, markdown=markdown)
+    drows = []
+    for c in certs:
+        f = c.first_failure
+        drows.append([c.dtype, verdict(c), str(c.forward_depth), str(c.backward_depth), f3(c.radii[-1]),
+                      f3(c.log_gradient_bound), "-" if f is None else f"{f.kind} at update {f.index} ({f.name})"])
+    dt = render_table(["dtype", "certified", "D_F", "D_grad", "R_D", "log grad bound", "first failure"], drows,
+                      markdown=markdown)
+    head = (f"r0 = {f3(first.r0)}, seq_len = {model.certificate_seq_len()}, dt = {first.dt:g}, "
+            f"Lip(G) = {first.lip_g:g}")
+    return f"{head}\n\n{upd}\n\n{dt}" if markdown else f"{head}\n{upd}\n\n{dt}"
+
+
+def _build(name: str) -> Any:
+    """A zoo model at its initialization with seed 0, built even when not certified."""
+    import torch
+
+    from certblocks.zoo import create_model
+
+    torch.manual_seed(0)
+    return create_model(name, certify=False)
+
+
+def zoo_table(names: Sequence[str], dtypes: Sequence[str] = DEFAULT_DTYPES, *, markdown: bool = False,
+              models: Optional[dict] = None) -> str:
+    """One row per model: family, depth, exponents, certified depth per dtype."""
+    from certblocks.zoo import model_entry
+
+    rows = []
+    for n in names:
+        m = models[n] if models and n in models else _build(n)
+        certs = [m.certificate(d) for d in dtypes]
+        rows.append([n, model_entry(n).family, str(certs[0].depth), _exponent_summary(certs[0])]
+                    + [verdict(c) for c in certs])
+    return render_table(["model", "family", "D", "(q, sigma)"] + list(dtypes), rows, markdown=markdown)
+
+
+def run_certify_zoo(dtypes: Sequence[str] = DEFAULT_DTYPES, *, names: Optional[Sequence[str]] = None,
+                    markdown: bool = False, include_test: bool = False, stream: Optional[TextIO] = None) -> int:
+    """Certify every zoo model and print its certificate table for each dtype, then a summary.
+
+    Args:
+        dtypes: dtype names (default fp16, bf16, fp32).
+        names: the models (default: every registered model, test sizes excluded).
+        markdown: Markdown tables (for the README).
+        include_test: also the small test configurations.
+        stream: where to print (default stdout).
+
+    Returns:
+        0 (the exit status; a model that is not certified is a result, not an error).
+    """
+    from certblocks.budget import dtype_name
+    from certblocks.zoo import list_models, model_entry
+
+    out = stream or sys.stdout
+    dtypes = [dtype_name(d) for d in dtypes]
+    names = list(names) if names else list_models(include_test=include_test)
+    built = {}
+    for n in names:
+        t = time.perf_counter()
+        m = _build(n)
+        built[n] = m
+        table = model_table(m, dtypes, markdown=markdown)
+        secs = time.perf_counter() - t
+        title = f"### {n}" if markdown else f"== {n} =="
+        timing = "" if markdown else f" ({secs:.1f} s)"  # Markdown output is reproducible (for the README)
+        print(f"{title}\n{model_entry(n).description}{timing}\n\n{table}\n", file=out, flush=True)
+    print(("### Summary\n" if markdown else "== summary ==\n") + zoo_table(names, dtypes, markdown=markdown,
+                                                                            models=built), file=out, flush=True)
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``certblocks zoo``."""
+    p.add_argument("pattern", nargs="?", default="*", help="glob over model names (default: all)")
+    p.add_argument("--dtype", type=dtype_list, default=",".join(DEFAULT_DTYPES),
+                   help="comma-separated dtypes (default fp16,bf16,fp32)")
+    p.add_argument("--names-only", action="store_true", help="list the names and families, build nothing")
+    p.add_argument("--detail", action="store_true", help="print each model's full certificate table")
+    p.add_argument("--test", action="store_true", help="include the small test configurations")
+    p.add_argument("--markdown", action="store_true", help="Markdown tables")
+    p.set_defaults(func=run_zoo)
+
+
+@command("zoo")
+def run_zoo(args: argparse.Namespace) -> int:
+    """List the zoo's models (``--names-only``) or print their certificates; returns the exit status."""
+    from certblocks.zoo import list_models, model_entry
+
+    names = list_models(args.pattern, include_test=args.test)
+    if not names:
+        hint = "" if args.test else " (add --test for the test sizes)"
+        raise UsageError(f"no model matches {args.pattern!r}{hint}; 'certblocks zoo --names-only' lists them")
+    if args.names_only:
+        for n in names:
+            print(f"{n:40s} {model_entry(n).family:18s} {model_entry(n).description}")
+        return 0
+    if args.detail:
+        return run_certify_zoo(args.dtype, names=names, markdown=args.markdown, include_test=args.test)
+    print(zoo_table(names, args.dtype, markdown=args.markdown))
+    return 0
