@@ -80,6 +80,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
+from ._validation import check_int
 from .budget import dtype_name, float_max
 from .certificate import BlockCertificate, StackCertificate, certify_stack
 from .stack import CertifiedStack, block_certificate
@@ -174,7 +175,7 @@ def residual_updates(model: Any, *, r0: Optional[float] = None, seq_len: Optiona
                            or r0 < 0):
         raise ValueError(f"r0 must be a finite number >= 0 or None, got {r0!r}")
     if seq_len is not None:
-        _check_positive_int("seq_len", seq_len)
+        check_int("seq_len", seq_len)
     if isinstance(model, CertifiedStack):
         n = len(model.blocks)
         return ResidualUpdates([f"blocks.{k}" for k in range(n)], list(model.blocks), dt=model.dt,
@@ -199,7 +200,7 @@ def residual_updates(model: Any, *, r0: Optional[float] = None, seq_len: Optiona
             if any(path.startswith(t + ".") for t in taken):
                 continue
             ups = getattr(m, "updates", None)
-            if callable(ups) and callable(getattr(m, "certificate", None)):
+            if callable(ups) and callable(getattr(m, "certificates", None)):  # a layer of several updates
                 for j, u in enumerate(ups()):
                     names.append(f"{path}.updates[{j}]" if path else f"updates[{j}]")
                     mods.append(u)
@@ -267,14 +268,6 @@ def _sample_norms(t: torch.Tensor) -> torch.Tensor:
     return tok.reshape(tok.shape[0], -1).amax(dim=1)
 
 
-def _check_positive_int(name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
-    return value
-
-
 # ------------------------------------------------------------------------------------------------ monitor
 class CertificateMonitor:
     """Recompute a model's certificate during training and warn when a margin runs low.
@@ -313,7 +306,7 @@ class CertificateMonitor:
                  power_iters: int = 4, power_iters_init: int = 50, logit_samples: int = 8,
                  batch_figures: bool = True) -> None:
         self.dtype = dtype_name(dtype)
-        self.every = _check_positive_int("every", every)
+        self.every = check_int("every", every)
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold) \
                 or threshold >= 1:
             raise ValueError(f"threshold must be a finite number < 1 (a margin), got {threshold!r}")
@@ -328,9 +321,9 @@ class CertificateMonitor:
                                          or not math.isfinite(kappa_growth) or kappa_growth <= 1):
             raise ValueError(f"kappa_growth must be a finite number > 1 or None, got {kappa_growth!r}")
         self.kappa_growth = None if kappa_growth is None else float(kappa_growth)
-        self.power_iters = _check_positive_int("power_iters", power_iters, 0)
-        self.power_iters_init = _check_positive_int("power_iters_init", power_iters_init, 1)
-        self.logit_samples = _check_positive_int("logit_samples", logit_samples)
+        self.power_iters = check_int("power_iters", power_iters, 0)
+        self.power_iters_init = check_int("power_iters_init", power_iters_init, 1)
+        self.logit_samples = check_int("logit_samples", logit_samples)
         if not isinstance(batch_figures, bool):
             raise TypeError(f"batch_figures must be a bool, got {batch_figures!r}")
         self.updates = residual_updates(model, r0=r0, seq_len=seq_len)

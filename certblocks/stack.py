@@ -9,12 +9,12 @@ stack is not certified at its depth for the chosen dtype.
 from __future__ import annotations
 
 import dataclasses
-import inspect
-from typing import Any, Iterable, List, Sequence, Tuple, Union
+from typing import Iterable, List, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
+from ._validation import check_finite
 from .budget import dtype_name
 from .certificate import BlockCertificate, StackCertificate, certify_stack
 
@@ -35,24 +35,30 @@ class CertificationError(ValueError):
         self.certificate = certificate
 
 
-def block_certificate(module: nn.Module, **kwargs: Any) -> BlockCertificate:
-    """Call ``module.certificate(...)`` with the keyword arguments it accepts.
+def block_certificate(module: nn.Module, *, seq_len: int | None = None, prefix: str = "") -> BlockCertificate:
+    """``module.certificate(seq_len=seq_len)``, after checking that its weights are finite.
 
     Args:
-        module: a block with a ``certificate()`` method returning a BlockCertificate.
-        **kwargs: offered to the method (e.g. ``seq_len``); those it does not take are dropped.
+        module: a certified block (:class:`~certblocks.protocol.CertifiedBlock`).
+        seq_len: the sequence length, for blocks whose bound depends on it.
+        prefix: the module's path in its model (``"blocks.3."``), so that an error names the tensor in the model.
+
+    Raises:
+        TypeError: the module has no ``certificate()`` method, or it returned something else.
+        NonFiniteWeightError: a parameter or buffer of the module holds NaN or inf (the message names it).
     """
     method = getattr(module, "certificate", None)
     if not callable(method):
         raise TypeError(f"{type(module).__name__} has no certificate() method; pass (module, BlockCertificate) "
                         "or use certblocks.certify to derive one from its graph")
+    check_finite(module, prefix)
     try:
-        params = inspect.signature(method).parameters
-        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-        offered = {k: v for k, v in kwargs.items() if v is not None and (takes_any or k in params)}
-    except (TypeError, ValueError):  # builtins without a signature
-        offered = {}
-    cert = method(**offered)
+        cert = method(seq_len=seq_len)
+    except TypeError as exc:
+        if "unexpected keyword argument 'seq_len'" not in str(exc):
+            raise
+        raise TypeError(f"{type(module).__name__}.certificate() does not take seq_len: a certified block keeps the "
+                        "protocol certificate(*, seq_len=None, r0=None) (certblocks.protocol.CertifiedBlock)") from exc
     if not isinstance(cert, BlockCertificate):
         raise TypeError(f"{type(module).__name__}.certificate() returned {type(cert).__name__}, "
                         "expected a BlockCertificate")
@@ -73,7 +79,7 @@ def _split(blocks: Iterable[BlockSpec], seq_len: int | None
             module, cert = spec
             explicit.append(cert)
         elif isinstance(spec, nn.Module):
-            module, cert = spec, block_certificate(spec, seq_len=seq_len)
+            module, cert = spec, block_certificate(spec, seq_len=seq_len, prefix=f"blocks.{k}.")
             explicit.append(None)
         else:
             raise TypeError(f"blocks[{k}] must be an nn.Module with certificate() or a (module, BlockCertificate) "
@@ -101,14 +107,16 @@ def _error_message(cert: StackCertificate) -> str:
 class CertifiedStack(nn.Module):
     """A residual stack ``X_{k+1} = X_k + dt * v_k(X_k)`` with its certificate.
 
-    Build it with :func:`build_stack`.  ``certificate`` is computed when the
-    stack is built; :meth:`recertify` recomputes it from the current weights.
+    Build it with :func:`build_stack`.  ``certificate`` is never stale: reading it recomputes the
+    certificate when any parameter or buffer changed since the last computation (their identities and
+    version counters, which every in-place update, optimizer step and ``load_state_dict`` bumps);
+    :meth:`recertify` forces the computation and can raise when the stack is no longer certified.
 
     Attributes:
         blocks: the velocities, in depth order.
         dt: the residual step size.
         dtype: the dtype the stack was certified for (canonical name).
-        certificate: the :class:`StackCertificate`.
+        certificate: the :class:`StackCertificate` of the current weights (a property).
     """
 
     def __init__(self, blocks: Sequence[nn.Module], certificate: StackCertificate, *, dt: float,
@@ -121,8 +129,20 @@ class CertifiedStack(nn.Module):
         self.r0 = float(r0)
         self.lip_g = float(lip_g)
         self.seq_len = seq_len
-        self.certificate = certificate
         self._explicit = list(explicit) if explicit is not None else [None] * len(blocks)
+        self._certificate = certificate
+        self._certified_state = self._state_key()
+
+    def _state_key(self) -> tuple:
+        return (tuple((id(p), p._version) for p in self.parameters()),
+                tuple((id(b), b._version) for b in self.buffers()))
+
+    @property
+    def certificate(self) -> StackCertificate:
+        """The :class:`StackCertificate` of the current weights (recomputed when they changed)."""
+        if self._state_key() != self._certified_state:
+            self.recertify()
+        return self._certificate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -139,14 +159,16 @@ class CertifiedStack(nn.Module):
         """
         certs = []
         for k, (block, fixed) in enumerate(zip(self.blocks, self._explicit)):
-            cert = fixed if fixed is not None else block_certificate(block, seq_len=self.seq_len)
+            cert = fixed if fixed is not None else block_certificate(block, seq_len=self.seq_len,
+                                                                     prefix=f"blocks.{k}.")
             if not cert.name:
                 cert = dataclasses.replace(cert, name=f"{k}:{type(block).__name__}")
             certs.append(cert)
-        self.certificate = certify_stack(certs, self.dtype, dt=self.dt, r0=self.r0, lip_g=self.lip_g)
-        if strict and not self.certificate.ok:
-            raise CertificationError(_error_message(self.certificate), self.certificate)
-        return self.certificate
+        self._certificate = certify_stack(certs, self.dtype, dt=self.dt, r0=self.r0, lip_g=self.lip_g)
+        self._certified_state = self._state_key()
+        if strict and not self._certificate.ok:
+            raise CertificationError(_error_message(self._certificate), self._certificate)
+        return self._certificate
 
     def extra_repr(self) -> str:
         c = self.certificate

@@ -20,7 +20,7 @@ class Aligned(nn.Module):
         norm = x.norm(dim=-1, keepdim=True)
         return self.c * norm ** (self.q - 1) * x
 
-    def certificate(self) -> BlockCertificate:
+    def certificate(self, *, seq_len=None, r0=None) -> BlockCertificate:
         # Jacobian of c r^(q-1) x: eigenvalues c r^(q-1) and c q r^(q-1), so L(R) = c q R^(q-1).
         return BlockCertificate(self.q, max(self.q - 1, 0.0), c=self.c, l1=self.c * self.q, l0=0.0)
 

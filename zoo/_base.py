@@ -25,11 +25,12 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-from typing import Any, Iterator, List, Optional, Tuple, Union
+from typing import Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
+from certblocks._validation import check_bool, check_int, check_prob  # noqa: F401  (the families' checks)
 from certblocks.budget import dtype_name
 from certblocks.certificate import BlockCertificate, StackCertificate, certify_stack
 from certblocks.stack import CertificationError, block_certificate
@@ -43,48 +44,6 @@ DEFAULT_CERT_DTYPE = "bf16"
 def renamed(cert: BlockCertificate, name: str) -> BlockCertificate:
     """``cert`` with ``name`` as its label."""
     return dataclasses.replace(cert, name=name)
-
-
-def check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
-    return value
-
-
-def check_int(name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
-    return value
-
-
-def check_prob(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) < 1.0:
-        raise ValueError(f"{name} must be a probability in [0, 1), got {value!r}")
-    return float(value)
-
-
-def row_norm_max(w: torch.Tensor) -> float:
-    """Largest Euclidean row norm of ``w`` (float64, rounded up by a relative 1e-12)."""
-    w = w.detach().to("cpu", torch.float64)
-    if w.numel() == 0:
-        return 0.0
-    return float(w.reshape(w.shape[0], -1).norm(dim=1).max()) * (1 + 1e-12)
-
-
-def spectral_norm(w: torch.Tensor) -> float:
-    """``||w||_2`` in float64 (rounded up by a relative 1e-10)."""
-    w = w.detach().to("cpu", torch.float64)
-    if w.numel() == 0:
-        return 0.0
-    return float(torch.linalg.matrix_norm(w.reshape(w.shape[0], -1), ord=2)) * (1 + 1e-10)
-
-
-def vec_norm(v: Optional[torch.Tensor]) -> float:
-    if v is None:
-        return 0.0
-    return float(v.detach().to("cpu", torch.float64).norm()) * (1 + 1e-12)
 
 
 @contextlib.contextmanager

@@ -4,8 +4,8 @@
   the standard deviation, learnable affine; undone on the forecast).
 * :class:`Patcher` -- split a series into patches (``ReplicationPad1d((0, stride))`` then
   ``unfold``, as PatchTST) and embed them linearly with learned positions.
-* :class:`NormedUpdate` -- a velocity ``v(N_in(x))`` (pre-norm) or ``N_out(v(N_in(x)))``
-  (peri-norm) with LayerNorm or RMSNorm, and its certificate (exponents (0, 0)).
+* :class:`~certblocks.blocks.NormedUpdate` (re-exported) -- a velocity ``v(N_in(x))`` (pre-norm) or
+  ``N_out(v(N_in(x)))`` (peri-norm) with LayerNorm or RMSNorm, and its certificate (exponents (0, 0)).
 
 Radius bound of the embedded input (used as ``r0``): after RevIN each series ``s`` of
 length ``L`` has ``sum_t s_t^2 <= L`` (population variance 1, or less with ``eps``), so an
@@ -22,13 +22,11 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from certblocks.certificate import BlockCertificate
-from certblocks.exponents import Exponents
-from certblocks.stack import block_certificate
+from certblocks._validation import check_int
+from certblocks.blocks.normed import NormedUpdate, make_norm
+from certblocks.bounds import op_norm, row_norm_max, vec_norm
 
-from ._base import check_int, row_norm_max, spectral_norm, vec_norm
-
-__all__ = ["RevIN", "Patcher", "NormedUpdate", "make_norm", "norm_bounds"]
+__all__ = ["RevIN", "Patcher", "NormedUpdate", "make_norm"]
 
 
 class RevIN(nn.Module):
@@ -111,77 +109,7 @@ class Patcher(nn.Module):
         ``|b| <= b_max`` (see the module docstring)."""
         reps = 1 + (self.stride if self.pad_end else 0)
         patch = w_max * math.sqrt(self.seq_len * reps) + b_max * math.sqrt(self.patch_len)
-        return spectral_norm(self.W_P.weight) * patch + vec_norm(self.W_P.bias) + row_norm_max(self.W_pos)
-
-
-def make_norm(kind: str, d: int, eps: float = 1e-5, device=None, dtype=None) -> nn.Module:
-    """``"layer"`` -> LayerNorm, ``"rms"`` -> RMSNorm."""
-    if kind == "layer":
-        return nn.LayerNorm(d, eps=eps, device=device, dtype=dtype)
-    if kind == "rms":
-        return nn.RMSNorm(d, eps=eps, device=device, dtype=dtype)
-    raise ValueError(f"norm must be 'layer' or 'rms', got {kind!r}")
-
-
-def norm_bounds(norm: nn.Module) -> Tuple[float, float]:
-    """``(A, G)`` of a LayerNorm / RMSNorm: per-token output norm bound ``||g||_inf sqrt(d) + ||beta||``
-    and Jacobian bound ``||g||_inf / sqrt(eps)``."""
-    d = norm.normalized_shape[-1]
-    eps = norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
-    g = 1.0 if norm.weight is None else float(norm.weight.detach().double().abs().max()) * (1 + 1e-12)
-    beta = vec_norm(getattr(norm, "bias", None))
-    return g * math.sqrt(d) + beta, g / math.sqrt(eps)
-
-
-class NormedUpdate(nn.Module):
-    """A normalized residual velocity: ``v(N_in(x))`` (``placement="pre"``) or ``N_out(v(N_in(x)))`` (``"peri"``).
-
-    Args:
-        branch: the velocity (a certblocks block with ``certificate()``).
-        d_model: width.
-        norm: ``"layer"`` or ``"rms"``.
-        placement: ``"pre"`` or ``"peri"``.
-        eps: the norms' ``eps``.
-
-    Certificate (exponents (0, 0)): with ``A``, ``G`` from :func:`norm_bounds` and the branch's
-    ``(c, b, q)`` and Jacobian bound ``L_v``: pre ``||v(N x)|| <= c A^q + b``, ``L <= L_v(A) G_in``;
-    peri ``||N_out(.)|| <= A_out``, ``L <= G_out L_v(A_in) G_in``.
-    """
-
-    exponents = Exponents(0, 0)
-
-    def __init__(self, branch: nn.Module, d_model: int, norm: str, placement: str = "pre", eps: float = 1e-5,
-                 device=None, dtype=None) -> None:
-        super().__init__()
-        if placement not in ("pre", "peri"):
-            raise ValueError(f"placement must be 'pre' or 'peri', got {placement!r}")
-        self.placement = placement
-        self.norm_kind = norm
-        self.norm = make_norm(norm, d_model, eps, device, dtype)
-        self.branch = branch
-        self.norm_out = make_norm(norm, d_model, eps, device, dtype) if placement == "peri" else nn.Identity()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm_out(self.branch(self.norm(x)))
-
-    def certificate(self, *, seq_len: Optional[int] = None, r0: Optional[float] = None) -> BlockCertificate:
-        """Certificate from the current weights (see the class docstring)."""
-        inner = block_certificate(self.branch, seq_len=seq_len)
-        if inner.q is None or inner.sigma is None:
-            raise ValueError(f"the branch {type(self.branch).__name__} has exponents not derived: {inner}")
-        a_in, g_in = norm_bounds(self.norm)
-        l_branch = inner.jacobian_bound(a_in)
-        if self.placement == "pre":
-            c, l0 = inner.growth_bound(a_in), l_branch * g_in
-        else:
-            a_out, g_out = norm_bounds(self.norm_out)
-            c, l0 = a_out, g_out * l_branch * g_in
-        from certblocks.blocks._coeffs import normalized_peak
-
-        peak = normalized_peak(inner.peak, inner.q, inner.c, inner.b, a_in, c,
-                               f"branch intermediates at the normalized radius ({self.placement}-{self.norm_kind})")
-        return BlockCertificate(0.0, 0.0, c=c, b=0.0, l1=0.0, l0=l0, name=f"{self.placement}-{self.norm_kind}",
-                                culprit=f"{self.placement}-{self.norm_kind} norm bounds the branch input", peak=peak)
+        return op_norm(self.W_P.weight) * patch + vec_norm(self.W_P.bias) + row_norm_max(self.W_pos)
 
 
 class SeriesForecasterMixin:

@@ -33,10 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from certblocks._validation import check_bool, check_int, check_prob
 from certblocks.blocks.attention import QKNormAttention
 from certblocks.blocks.mlp import MLP
+from certblocks.bounds import row_norm_max
 
-from ._base import ZooModel, check_bool, check_int, check_prob, row_norm_max
+from ._base import ZooModel
 from ._registry import register_model
 
 __all__ = ["GPT2QKNorm", "GPT2LoadReport"]

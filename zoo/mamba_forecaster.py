@@ -29,10 +29,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from certblocks._validation import check_int, check_prob
 from certblocks.blocks.mamba import LinearGrowthMamba, Mamba
 from certblocks.blocks.mlp import MLP
 
-from ._base import ZooModel, check_int, check_prob
+from ._base import ZooModel
 from ._layers import NormedUpdate, Patcher, RevIN, SeriesForecasterMixin
 from ._registry import register_model
 

@@ -24,16 +24,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
+from certblocks._validation import check_bool, check_cert_args, check_int
 from certblocks.blocks.attention import Attention, QKNormAttention
 from certblocks.blocks.mlp import GatedMLP
+from certblocks.bounds import op_norm, vec_norm
 from certblocks.certificate import BlockCertificate
+from certblocks.protocol import CapSlot
 
-from ._base import ZooModel, check_bool, check_int, spectral_norm, vec_norm
+from ._base import ZooModel
 from ._registry import register_model
 
 __all__ = ["TotoStyle", "AxisAttention"]
@@ -64,8 +67,17 @@ class AxisAttention(nn.Module):
         return y.reshape(B, N, V, d).transpose(1, 2)
 
     def certificate(self, *, seq_len: Optional[int] = None, r0: Optional[float] = None) -> BlockCertificate:
-        c = self.attn.certificate()
-        return dataclasses.replace(c, name=f"{self.axis}-attention")
+        """The attention's certificate (its bounds hold per token whatever the number of tokens along the axis)."""
+        check_cert_args(seq_len, r0)
+        return dataclasses.replace(self.attn.certificate(), name=f"{self.axis}-attention")
+
+    def cap_slots(self) -> List[CapSlot]:
+        """The attention's slots (:meth:`certblocks.QKNormAttention.cap_slots`)."""
+        return self.attn.cap_slots()
+
+    def certificate_from_caps(self, caps: Mapping[str, float], *, seq_len: Optional[int] = None) -> BlockCertificate:
+        """The attention's certificate from caps."""
+        return dataclasses.replace(self.attn.certificate_from_caps(caps), name=f"{self.axis}-attention")
 
 
 class TotoStyleLayer(nn.Module):
@@ -127,7 +139,7 @@ class TotoStyle(ZooModel):
         return out
 
     def input_radius(self) -> float:
-        return spectral_norm(self.embed.weight) * math.sqrt(self.context) + vec_norm(self.embed.bias)
+        return op_norm(self.embed.weight) * math.sqrt(self.context) + vec_norm(self.embed.bias)
 
     def example_input(self, seq_len: Optional[int] = None) -> torch.Tensor:
         """A random context ``(1, 3, context)`` (three variates); ``seq_len`` is ignored (fixed context)."""

@@ -29,9 +29,10 @@ from timm.models import VisionTransformer, build_model_with_cfg, generate_defaul
 from torch import nn
 
 from certblocks.blocks.attention import QKNormAttention
-from certblocks.blocks.mlp import MLP, _act_name
+from certblocks.blocks.mlp import MLP, activation_name
+from certblocks.bounds import op_norm, row_norm_max, vec_norm
 
-from ._base import ZooModel, row_norm_max, spectral_norm, vec_norm
+from ._base import ZooModel
 from ._registry import register_model as zoo_register
 
 __all__ = ["CertifiedViTBlock", "CertifiedVisionTransformer"]
@@ -52,7 +53,7 @@ class CertifiedViTBlock(nn.Module):
         dd = {"device": device, "dtype": dtype}
         self.attn = QKNormAttention(dim, num_heads, causal=False, qkv_bias=bool(qkv_bias), proj_bias=bool(proj_bias),
                                     attn_dropout=attn_drop, resid_dropout=proj_drop, naming="timm", **dd)
-        act = _act_name(act_layer() if isinstance(act_layer, type) else act_layer)
+        act = activation_name(act_layer() if isinstance(act_layer, type) else act_layer)
         self.mlp = MLP(dim, int(dim * mlp_ratio), act, bias=bool(proj_bias), dropout=proj_drop, **dd)
         self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
@@ -91,7 +92,7 @@ class CertifiedVisionTransformer(VisionTransformer, ZooModel):
         pix = max(max(abs(m) / s, abs(1 - m) / s) for m, s in zip(mean, std))
         w = self.patch_embed.proj.weight
         patch = pix * math.sqrt(w[0].numel())
-        tok = spectral_norm(w.reshape(w.shape[0], -1)) * patch + vec_norm(self.patch_embed.proj.bias)
+        tok = op_norm(w.reshape(w.shape[0], -1)) * patch + vec_norm(self.patch_embed.proj.bias)
         pos = row_norm_max(self.pos_embed[0]) if self.pos_embed is not None else 0.0
         r = tok + pos
         if self.cls_token is not None:

@@ -1,13 +1,16 @@
 """Certified blocks: velocities ``v`` whose certificate is computed from their current weights.
 
-Each block is a velocity (the stack adds the residual ``X + dt * v(X)``), has a class-level
-``exponents`` and a ``certificate(*, seq_len=None, r0=None)`` method, and a ``from_module``
-classmethod that builds it from the module it replaces and copies the weights.
+Each block is a velocity (the stack adds the residual ``X + dt * v(X)``) and keeps the protocol of
+:mod:`certblocks.protocol`: a class-level ``exponents``, ``certificate(*, seq_len=None, r0=None)``
+from its current weights, and (every block but the Mamba mixers) ``cap_slots()`` /
+``certificate_from_caps()``, the same bound read from caps, for :func:`certblocks.enforce`.  Blocks that
+replace a module have a ``from_module`` classmethod that builds them from it and copies the weights.
 """
 
 from .attention import Attention, QKNorm, QKNormAttention
 from .mamba import LinearGrowthMamba, Mamba
 from .mlp import MLP, GatedMLP
+from .normed import NormedUpdate
 from .patchtst import PatchTSTBlock, PatchTSTUpdate, TokenBatchNorm
 
 __all__ = [
@@ -16,6 +19,7 @@ __all__ = [
     "LinearGrowthMamba",
     "MLP",
     "Mamba",
+    "NormedUpdate",
     "PatchTSTBlock",
     "PatchTSTUpdate",
     "QKNorm",

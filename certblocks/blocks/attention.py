@@ -49,63 +49,62 @@ twin, and under ``torch.compile`` the plain composition is traced (inductor fuse
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Dict, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import bounds
+from .._validation import check_cert_args, check_choice, check_finite, check_input, check_int, check_prob
 from ..certificate import BlockCertificate, Peak
 from ..exponents import ATTENTION, QK_NORM_ATTENTION, Exponents
-from . import _coeffs
+from ..protocol import CapSlot, linear_cap_slots
 
-__all__ = ["Attention", "QKNormAttention", "QKNorm"]
+__all__ = ["Attention", "AttentionNorms", "QKNormAttention", "QKNorm", "check_input"]
 
 _NAMINGS = {"gpt2": ("c_attn", "c_proj"), "timm": ("qkv", "proj")}
 _QK_NORMS = ("rms", "l2", "layer")
 
 
-def _check_int(name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
-    return value
+@dataclass(frozen=True)
+class AttentionNorms:
+    """The norms an attention certificate reads (upper bounds), per head ``h`` where it matters.
 
+    With ``M_h = W_O^h W_V^h``, ``s`` the logit scale and ``H`` heads:
 
-def _check_prob(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) < 1.0:
-        raise ValueError(f"{name} must be a probability in [0, 1), got {value!r}")
-    return float(value)
+    Attributes:
+        value: ``||M_h||`` per head.
+        c: the value path's growth, at most ``sum_h ||M_h||`` and ``sqrt(H) ||[M_1 .. M_H]||``.
+        b: ``||W_O b_V + b_O||``.
+        w_in, b_in: ``||W_qkv||``, ``||b_qkv||`` (the projection's peak).
+        kappa: ``||W_Q^{hT} W_K^h||`` per head (plain attention).
+        beta: ``||W_K^{hT} b_Q^h||`` per head (plain attention).
+        cross: ``max_h ||W_K^{hT} b_Q^h|| + ||W_Q^{hT} b_K^h||`` (the logits' linear term).
+        const: ``max_h ||b_Q^h|| ||b_K^h||`` (the logits' constant).
+        wq, wk: ``||W_Q^h||``, ``||W_K^h||`` per head (QK-norm).
+        a_q, a_k: output bounds of the query/key normalizations (QK-norm).
+        g_q, g_k: their Jacobian bounds (QK-norm).
+        linear: one token (``seq_len=1``): the block is the linear map ``W_O W_V x + b``, ``c`` its exact norm.
+    """
 
-
-def _check_choice(name: str, value: Any, allowed: Tuple[str, ...]) -> str:
-    if not isinstance(value, str) or value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-    return value
-
-
-def _check_cert_args(seq_len: Optional[int], r0: Optional[float]) -> None:
-    if seq_len is not None:
-        _check_int("seq_len", seq_len)
-    if r0 is not None and (isinstance(r0, bool) or not isinstance(r0, (int, float)) or not r0 >= 0
-                           or not math.isfinite(r0)):
-        raise ValueError(f"r0 must be a finite number >= 0 or None, got {r0!r}")
-
-
-def check_input(x: torch.Tensor, dim: int, weight: torch.Tensor, name: str = "x", ndim: Optional[int] = None) -> None:
-    """Raise a clear error when ``x`` has the wrong type, shape or dtype for a block of width ``dim``."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
-    if ndim is not None and x.ndim != ndim:
-        raise ValueError(f"{name} must have shape (batch, seq_len, {dim}), got {tuple(x.shape)}")
-    if x.ndim < 1 or x.shape[-1] != dim:
-        raise ValueError(f"{name} must have last dimension {dim} (the block's dim), got shape {tuple(x.shape)}")
-    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
-        raise TypeError(f"{name}.dtype {x.dtype} differs from the block's parameters ({weight.dtype}); "
-                        f"cast the block with .to({x.dtype}) or run under torch.autocast")
+    value: Tuple[float, ...]
+    c: float
+    b: float
+    w_in: float
+    b_in: float
+    kappa: Tuple[float, ...] = ()
+    beta: Tuple[float, ...] = ()
+    cross: float = 0.0
+    const: float = 0.0
+    wq: Tuple[float, ...] = ()
+    wk: Tuple[float, ...] = ()
+    a_q: float = 0.0
+    a_k: float = 0.0
+    g_q: float = 0.0
+    g_k: float = 0.0
+    linear: bool = False
 
 
 class _SplitQKVRMSNorm(torch.autograd.Function):
@@ -178,8 +177,8 @@ class QKNorm(nn.Module):
 
     def __init__(self, dim: int, kind: str = "rms", *, eps: float = 1e-6, device=None, dtype=None) -> None:
         super().__init__()
-        self.dim = _check_int("dim", dim)
-        self.kind = _check_choice("qk_norm", kind, _QK_NORMS)
+        self.dim = check_int("dim", dim)
+        self.kind = check_choice("qk_norm", kind, _QK_NORMS)
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
             raise ValueError(f"eps must be a number > 0 (it bounds the Jacobian of the normalization), got {eps!r}")
         self.eps = float(eps)
@@ -198,14 +197,11 @@ class QKNorm(nn.Module):
 
     def output_bound(self) -> float:
         """``A``: an upper bound of the Euclidean norm of the output, whatever the input."""
-        g = _coeffs.vec_inf_norm(self.weight)
-        if self.kind == "l2":
-            return g
-        return g * math.sqrt(self.dim) + _coeffs.vec_norm(self.bias)
+        return bounds.norm_bounds(self.kind, self.weight, self.bias, self.eps, numel=self.dim)[0]
 
     def jacobian_bound(self) -> float:
         """``G``: an upper bound of the spectral norm of the Jacobian, at every input."""
-        return _coeffs.vec_inf_norm(self.weight) / math.sqrt(self.eps)
+        return bounds.norm_bounds(self.kind, self.weight, self.bias, self.eps, numel=self.dim)[1]
 
     def extra_repr(self) -> str:
         return f"{self.dim}, kind={self.kind!r}, eps={self.eps:g}"
@@ -222,8 +218,8 @@ class _SelfAttention(nn.Module):
                  resid_dropout: float = 0.0, scale: Optional[float] = None, naming: str = "gpt2",
                  device=None, dtype=None) -> None:
         super().__init__()
-        dim = _check_int("dim", dim)
-        num_heads = _check_int("num_heads", num_heads)
+        dim = check_int("dim", dim)
+        num_heads = check_int("num_heads", num_heads)
         if dim % num_heads:
             raise ValueError(f"num_heads={num_heads} must divide dim={dim}")
         for name, flag in (("causal", causal), ("bias", bias)):
@@ -240,7 +236,7 @@ class _SelfAttention(nn.Module):
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
             raise ValueError(f"scale must be a number > 0 or None (1/sqrt(head_dim)), got {scale!r}")
         self.scale = float(scale)
-        self.naming = _check_choice("naming", naming, tuple(_NAMINGS))
+        self.naming = check_choice("naming", naming, tuple(_NAMINGS))
         self._in_name, self._out_name = _NAMINGS[naming]
         dd = {"device": device, "dtype": dtype}
         self.add_module(self._in_name, nn.Linear(dim, 3 * dim, bias=bool(qkv_bias), **dd))
@@ -249,12 +245,12 @@ class _SelfAttention(nn.Module):
             self.q_norm: nn.Module = nn.Identity()
             self.k_norm: nn.Module = nn.Identity()
         else:
-            self.qk_norm = _check_choice("qk_norm", qk_norm, _QK_NORMS)
+            self.qk_norm = check_choice("qk_norm", qk_norm, _QK_NORMS)
             self.q_norm = QKNorm(self.head_dim, qk_norm, eps=qk_norm_eps, **dd)
             self.k_norm = QKNorm(self.head_dim, qk_norm, eps=qk_norm_eps, **dd)
         self.add_module(self._out_name, nn.Linear(dim, dim, bias=bool(proj_bias), **dd))
-        self.attn_dropout = nn.Dropout(_check_prob("attn_dropout", attn_dropout))
-        self.resid_dropout = nn.Dropout(_check_prob("resid_dropout", resid_dropout))
+        self.attn_dropout = nn.Dropout(check_prob("attn_dropout", attn_dropout))
+        self.resid_dropout = nn.Dropout(check_prob("resid_dropout", resid_dropout))
 
     # -- name-independent aliases ---------------------------------------------------------------------------
     @property
@@ -369,38 +365,55 @@ class _SelfAttention(nn.Module):
     # -- certificate ----------------------------------------------------------------------------------------
     def _head_weights(self) -> Dict[str, Any]:
         D, hd, H = self.dim, self.head_dim, self.num_heads
-        w = self.in_proj.weight.detach().double().cpu()
-        b = self.in_proj.bias
-        b = None if b is None else b.detach().double().cpu()
-        wo = self.out_proj.weight.detach().double().cpu()
-        bo = self.out_proj.bias
-        bo = None if bo is None else bo.detach().double().cpu()
+        f64 = lambda t: None if t is None else t.detach().double().cpu()  # noqa: E731
+        w, b = f64(self.in_proj.weight), f64(self.in_proj.bias)
+        wo, bo = f64(self.out_proj.weight), f64(self.out_proj.bias)
         wq, wk, wv = w[:D], w[D:2 * D], w[2 * D:]
-        bq = None if b is None else b[:D]
-        bk = None if b is None else b[D:2 * D]
-        bv = None if b is None else b[2 * D:]
         sl = [slice(h * hd, (h + 1) * hd) for h in range(H)]
-        return {"wq": [wq[s] for s in sl], "wk": [wk[s] for s in sl], "wv": [wv[s] for s in sl],
-                "wo": [wo[:, s] for s in sl], "bq": None if bq is None else [bq[s] for s in sl],
-                "bk": None if bk is None else [bk[s] for s in sl], "w_in": w, "b_in": b,
-                "wo_full": wo, "wv_full": wv, "bv_full": bv, "bo": bo}
+        split = lambda t: None if t is None else [t[s] for s in sl]  # noqa: E731
+        return {"wq": split(wq), "wk": split(wk), "wv": split(wv), "wo": [wo[:, s] for s in sl],
+                "bq": split(None if b is None else b[:D]), "bk": split(None if b is None else b[D:2 * D]),
+                "w_in": w, "b_in": b, "wo_full": wo, "wv_full": wv, "bv_full": None if b is None else b[2 * D:],
+                "bo": bo}
 
-    def _value_coefficients(self, hw: Dict[str, Any], seq_len: Optional[int]) -> Tuple[float, float, list]:
-        """``(c, b, [||M_h||])`` of the value path (growth; also the Jacobian's constant term)."""
-        m_norms = [_coeffs.product_norm(wo, wv) for wo, wv in zip(hw["wo"], hw["wv"])]
+    def _norms(self, seq_len: Optional[int]) -> AttentionNorms:
+        """The norms of the current weights (exact up to the bounds layer's margin)."""
+        hw = self._head_weights()
+        H = self.num_heads
+        value = tuple(bounds.product_norm(wo, wv) for wo, wv in zip(hw["wo"], hw["wv"]))
         bias = torch.zeros(self.dim, dtype=torch.float64)
         if hw["bv_full"] is not None:
             bias = bias + hw["wo_full"] @ hw["bv_full"]
         if hw["bo"] is not None:
             bias = bias + hw["bo"]
-        b = _coeffs.vec_norm(bias)
+        b = bounds.vec_norm(bias)
         if seq_len == 1:  # one token: v(x) = W_O W_V x + bias exactly
-            return _coeffs.op_norm(hw["wo_full"] @ hw["wv_full"]), b, m_norms
-        # ||[M_1 .. M_H]|| = ||W_O blockdiag(R_h^T)|| with W_V^h = (Q_h R_h)^T
-        blocks = [wo @ torch.linalg.qr(wv.T, mode="r")[1].T for wo, wv in zip(hw["wo"], hw["wv"])]
-        concat = _coeffs.op_norm(torch.cat(blocks, dim=1))
-        c = min(math.fsum(m_norms), math.sqrt(self.num_heads) * concat)
-        return c, b, m_norms
+            c = bounds.product_norm(hw["wo_full"], hw["wv_full"])
+        else:
+            # ||[M_1 .. M_H]|| = ||W_O blockdiag(R_h^T)|| with W_V^h = (Q_h R_h)^T.  Rounding: R_h is exact for
+            # W_V^h + E_h, ||E_h||_F <= 8 D d_k u ||W_V^h||_F (Householder QR), which moves the norm by at most
+            # ||W_O|| max_h ||E_h||; the products W_O^h R_h^T err by gamma_{d_k} ||W_O||_F ||W_V||_F
+            blocks = [wo @ torch.linalg.qr(wv.T, mode="r")[1].T for wo, wv in zip(hw["wo"], hw["wv"])]
+            u = bounds.UNIT_ROUNDOFF
+            err = (8.0 * self.dim * self.head_dim * u * bounds.op_norm(hw["wo_full"])
+                   * max(bounds.vec_norm(wv) for wv in hw["wv"])
+                   + 2.0 * self.head_dim * u * bounds.vec_norm(hw["wo_full"]) * bounds.vec_norm(hw["wv_full"]))
+            concat = bounds.op_norm(torch.cat(blocks, dim=1)) + err
+            c = min(math.fsum(value), math.sqrt(H) * concat)
+        common = dict(value=value, c=c, b=b, w_in=bounds.op_norm(self.in_proj.weight), b_in=bounds.vec_norm(hw["b_in"]),
+                      linear=seq_len == 1)
+        if self.qk_norm is not None:
+            return AttentionNorms(**common, wq=tuple(bounds.op_norm(w) for w in hw["wq"]),
+                                  wk=tuple(bounds.op_norm(w) for w in hw["wk"]),
+                                  a_q=self.q_norm.output_bound(), a_k=self.k_norm.output_bound(),
+                                  g_q=self.q_norm.jacobian_bound(), g_k=self.k_norm.jacobian_bound())
+        bq = hw["bq"] if hw["bq"] is not None else [None] * H
+        bk = hw["bk"] if hw["bk"] is not None else [None] * H
+        beta = tuple(0.0 if q is None else bounds.vec_norm(wk.T @ q) for wk, q in zip(hw["wk"], bq))
+        cross = max(bt + (0.0 if k is None else bounds.vec_norm(wq.T @ k)) for wq, bt, k in zip(hw["wq"], beta, bk))
+        kappa = tuple(bounds.product_norm(wq.T, wk) for wq, wk in zip(hw["wq"], hw["wk"]))
+        return AttentionNorms(**common, kappa=kappa, beta=beta, cross=cross,
+                              const=max(bounds.vec_norm(q) * bounds.vec_norm(k) for q, k in zip(bq, bk)))
 
     def certificate(self, *, seq_len: Optional[int] = None, r0: Optional[float] = None) -> BlockCertificate:
         """Certificate of this velocity from its current weights (dropout inactive).
@@ -414,60 +427,83 @@ class _SelfAttention(nn.Module):
         Returns:
             A :class:`BlockCertificate` with ``(q, sigma)`` = :attr:`exponents`.
         """
-        _check_cert_args(seq_len, r0)
-        hw = self._head_weights()
-        c, b, m_norms = self._value_coefficients(hw, seq_len)
-        s = self.scale
-        if seq_len == 1:
-            l1 = 0.0
-            l0 = c
-        elif self.qk_norm is None:
-            kappa = [_coeffs.product_norm(wq.T, wk) for wq, wk in zip(hw["wq"], hw["wk"])]
-            beta = [0.0] * self.num_heads if hw["bq"] is None else [
-                _coeffs.vec_norm(wk.T @ bq) for wk, bq in zip(hw["wk"], hw["bq"])]
-            # s R beta <= s beta (R^2 + 1) / 2
-            l1 = s * math.fsum(m * (2.0 * k + 0.5 * bt) for m, k, bt in zip(m_norms, kappa, beta))
-            l0 = c + s * math.fsum(m * 0.5 * bt for m, bt in zip(m_norms, beta))
-        else:
-            a_q, a_k = self.q_norm.output_bound(), self.k_norm.output_bound()
-            g_q, g_k = self.q_norm.jacobian_bound(), self.k_norm.jacobian_bound()
-            l1 = s * math.fsum(m * (a_k * g_q * _coeffs.op_norm(wq) + a_q * g_k * _coeffs.op_norm(wk))
-                               for m, wq, wk in zip(m_norms, hw["wq"], hw["wk"]))
-            l0 = c
-        e = type(self).exponents if self.qk_norm is None else QK_NORM_ATTENTION
+        check_cert_args(seq_len, r0)
+        check_finite(self)
+        return self._certificate(self._norms(seq_len))
+
+    def cap_slots(self) -> List[CapSlot]:
+        """``in_proj`` in three row blocks (``aq, ak, av`` / ``betaq, betak, betav``), ``out_proj`` (``ao``,
+        ``betao``) and, with QK-norm, the norms' scales (``gammaq``, ``gammak``) and biases (``betanq``, ``betank``)."""
+        D, hd = self.dim, self.head_dim
+        slots = linear_cap_slots(self.in_proj, (D, D, D), ("aq", "ak", "av"), ("betaq", "betak", "betav")) + \
+            linear_cap_slots(self.out_proj, (D,), ("ao",), ("betao",))
+        if self.qk_norm is not None:
+            for tag, norm in (("q", self.q_norm), ("k", self.k_norm)):
+                slots.append(CapSlot(norm, "weight", "clamp", (hd,), (f"gamma{tag}",)))
+                if getattr(norm, "bias", None) is not None:
+                    slots.append(CapSlot(norm, "bias", "vector", (hd,), (f"betan{tag}",)))
+        return slots
+
+    def certificate_from_caps(self, caps: Mapping[str, float], *, seq_len: Optional[int] = None) -> BlockCertificate:
+        """The certificate that holds while every projection block, bias and QK-norm scale is within its cap.
+
+        Each head's block of a capped matrix is at most the cap, so ``||M_h|| <= a_o a_v``,
+        ``||[M_1 .. M_H]|| <= a_o a_v``, ``kappa_h <= a_q a_k`` and ``||W_K^{hT} b_Q^h|| <= a_k beta_q``.
+        """
+        H = self.num_heads
+        aq, ak, av, ao = caps["aq"], caps["ak"], caps["av"], caps["ao"]
+        bq, bk, bv = (caps.get(f"beta{t}", 0.0) for t in "qkv")
+        common = dict(value=(ao * av,) * H, c=math.sqrt(H) * ao * av, b=ao * bv + caps.get("betao", 0.0),
+                      w_in=math.sqrt(aq * aq + ak * ak + av * av), b_in=math.sqrt(bq * bq + bk * bk + bv * bv))
         if self.qk_norm is None:
+            return self._certificate(AttentionNorms(**common, kappa=(aq * ak,) * H, beta=(ak * bq,) * H,
+                                                    cross=aq * bk + ak * bq, const=bq * bk))
+        hd = self.head_dim
+        (a_q, g_q), (a_k, g_k) = (
+            bounds.scalar_norm_bounds(self.qk_norm, caps[f"gamma{t}"], caps.get(f"betan{t}", 0.0), norm.eps, numel=hd)
+            for t, norm in (("q", self.q_norm), ("k", self.k_norm)))
+        return self._certificate(AttentionNorms(**common, wq=(aq,) * H, wk=(ak,) * H, a_q=a_q, a_k=a_k,
+                                                g_q=g_q, g_k=g_k))
+
+    def _certificate(self, n: AttentionNorms) -> BlockCertificate:
+        """The one formula behind :meth:`certificate` and :meth:`certificate_from_caps` (module docstring)."""
+        s = self.scale
+        if n.linear:
+            l1, l0 = 0.0, n.c
+        elif self.qk_norm is None:
+            # s R beta <= s beta (R^2 + 1) / 2
+            l1 = s * math.fsum(m * (2.0 * k + 0.5 * bt) for m, k, bt in zip(n.value, n.kappa, n.beta))
+            l0 = n.c + s * math.fsum(m * 0.5 * bt for m, bt in zip(n.value, n.beta))
+        else:
+            l1 = s * math.fsum(m * (n.a_k * n.g_q * wq + n.a_q * n.g_k * wk) for m, wq, wk in zip(n.value, n.wq, n.wk))
+            l0 = n.c
+        if self.qk_norm is None:
+            e = type(self).exponents
             culprit = "query-key logits s X^T Wq^T Wk X inside the softmax (Jacobian ~ kappa s R^2)"
             fix = "normalize queries and keys (QKNormAttention): sigma 2 -> 1"
         else:
+            e = QK_NORM_ATTENTION
             culprit = f"QK-normalized ({self.qk_norm}) attention: Jacobian ~ R through the spread of the values"
             fix = ""
-        return BlockCertificate(e.q, e.sigma, c=c, b=b, l1=l1, l0=l0, name=type(self).__name__,
-                                culprit=culprit, fix=fix, peak=self._peak(hw, c, b))
+        return BlockCertificate(e.q, e.sigma, c=n.c, b=n.b, l1=l1, l0=l0, name=type(self).__name__,
+                                culprit=culprit, fix=fix, peak=self._peak(n))
 
-    def _peak(self, hw: Dict[str, Any], c: float, b: float) -> Peak:
+    def _peak(self, n: AttentionNorms) -> Peak:
         """Bound on every value the forward computes: q/k/v, the query-key products, the output.
 
         The query-key products are bounded before the logit scale (``max(1, s)`` covers kernels that
         scale after the product).  Subtracting the row maximum inside the softmax may round a far-below
         logit to ``-inf``; its exponential is then an exact 0, which is harmless.
         """
-        qkv = {1.0: _coeffs.op_norm(hw["w_in"]), 0.0: _coeffs.vec_norm(hw["b_in"])}
-        out = {1.0: c, 0.0: b}
+        qkv = {1.0: n.w_in, 0.0: n.b_in}
+        out = {1.0: n.c, 0.0: n.b}
         probs = {0.0: 1.0}  # the softmax
         s = max(1.0, self.scale)
         if self.qk_norm is None:
-            H = self.num_heads
-            kappa = max(_coeffs.product_norm(wq.T, wk) for wq, wk in zip(hw["wq"], hw["wk"]))
-            bq = hw["bq"] if hw["bq"] is not None else [None] * H
-            bk = hw["bk"] if hw["bk"] is not None else [None] * H
-            cross = max(_coeffs.vec_norm(None if bqh is None else wk.T @ bqh)
-                        + _coeffs.vec_norm(None if bkh is None else wq.T @ bkh)
-                        for wq, wk, bqh, bkh in zip(hw["wq"], hw["wk"], bq, bk))
-            const = max(_coeffs.vec_norm(bqh) * _coeffs.vec_norm(bkh) for bqh, bkh in zip(bq, bk))
-            logits = {2.0: s * kappa, 1.0: s * cross, 0.0: s * const}
-            return _coeffs.fold_peak([qkv, logits, out, probs], "query-key logits")
-        logits = {0.0: s * self.q_norm.output_bound() * self.k_norm.output_bound()}
-        return _coeffs.fold_peak([qkv, logits, out, probs], "q/k/v projection")
+            logits = {2.0: s * max(n.kappa), 1.0: s * n.cross, 0.0: s * n.const}
+            return bounds.fold_peak([qkv, logits, out, probs], "query-key logits")
+        logits = {0.0: s * n.a_q * n.a_k}
+        return bounds.fold_peak([qkv, logits, out, probs], "q/k/v projection")
 
     # -- conversion -----------------------------------------------------------------------------------------
     @classmethod

@@ -21,26 +21,27 @@ token); the Jacobian bound is a bound on the operator norm induced by that norm 
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, ClassVar, Dict, List, Tuple, Union
+from typing import Any, ClassVar, Dict, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import bounds
 from .. import kernels as _kernels
-from ..certificate import BlockCertificate, Peak
+from .._validation import check_bool, check_cert_args, check_finite, check_int, check_real
+from ..bounds import Poly
+from ..certificate import BlockCertificate
 from ..exponents import LINEAR_GROWTH_MAMBA, MAMBA_SSM, Exponents
-from . import _coeffs
 
 __all__ = ["LinearGrowthMamba", "Mamba", "DEFAULT_EPS", "SILU_LIPSCHITZ"]
 
 #: Default ``eps`` of the per-token normalization ``x / sqrt(||x||^2 + eps)`` (LayerNorm's default).
 DEFAULT_EPS: float = 1e-5
-#: An upper bound of ``sup |SiLU'(s)|`` (the exact value is 1.0998...).
-SILU_LIPSCHITZ: float = 1.1
-#: Relative safety margin applied to every certificate coefficient (float64 rounding of the norms).
-_MARGIN: float = 1.0 + 1e-6
+#: ``sup |SiLU'(s)|`` (1.0998..., rounded up), from the bounds layer.
+SILU_LIPSCHITZ: float = bounds.lipschitz("silu")
 
 
 def _normalize_tokens(x: torch.Tensor, dim: int, eps: float) -> torch.Tensor:
@@ -52,49 +53,6 @@ def _normalize_tokens(x: torch.Tensor, dim: int, eps: float) -> torch.Tensor:
     """
     xf = x if x.dtype == torch.float64 else x.float()
     return (xf * torch.rsqrt(xf.square().sum(dim, keepdim=True) + eps)).to(x.dtype)
-
-
-def _check_int(name: str, value: object, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
-    return value
-
-
-def _check_real(name: str, value: object, *, positive: bool = False, nonnegative: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
-    v = float(value)
-    if not math.isfinite(v):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    if positive and v <= 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
-    if nonnegative and v < 0:
-        raise ValueError(f"{name} must be >= 0, got {value!r}")
-    return v
-
-
-def _check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
-    return value
-
-
-def _spectral_norm(m: torch.Tensor) -> float:
-    """Largest singular value of a float64 matrix, from the smaller Gram matrix (eigvalsh: fast, accurate)."""
-    if m.numel() == 0:
-        return 0.0
-    g = m.T @ m if m.shape[0] >= m.shape[1] else m @ m.T
-    # One thread: multi-threaded LAPACK eigvalsh was up to 1000x slower on a busy CPU (measured).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        lam = float(torch.linalg.eigvalsh(g)[-1])
-    finally:
-        torch.set_num_threads(threads)
-    # eigvalsh is backward stable: absolute error ~ n eps ||G||; add that much before the square root.
-    return math.sqrt(max(lam, 0.0) + g.shape[0] * 1e-15 * max(lam, 0.0))
 
 
 class _MambaMixer(nn.Module):
@@ -124,10 +82,10 @@ class _MambaMixer(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        _check_int("d_model", d_model)
-        _check_int("d_state", d_state)
-        _check_int("d_conv", d_conv)
-        _check_real("expand", expand, positive=True)
+        check_int("d_model", d_model)
+        check_int("d_state", d_state)
+        check_int("d_conv", d_conv)
+        check_real("expand", expand, positive=True)
         d_inner = int(expand * d_model)
         if d_inner < 1:
             raise ValueError(f"expand * d_model must be >= 1, got expand={expand!r}, d_model={d_model}")
@@ -136,20 +94,20 @@ class _MambaMixer(nn.Module):
         elif isinstance(dt_rank, str):
             raise ValueError(f"dt_rank must be 'auto' or an int >= 1, got {dt_rank!r}")
         else:
-            rank = _check_int("dt_rank", dt_rank)
-        lo = _check_real("dt_min", dt_min, positive=True)
-        hi = _check_real("dt_max", dt_max, positive=True)
+            rank = check_int("dt_rank", dt_rank)
+        lo = check_real("dt_min", dt_min, positive=True)
+        hi = check_real("dt_max", dt_max, positive=True)
         if lo > hi:
             raise ValueError(f"dt_min must be <= dt_max, got dt_min={dt_min!r}, dt_max={dt_max!r}")
         if dt_init not in ("random", "constant"):
             raise ValueError(f"dt_init must be 'random' or 'constant', got {dt_init!r}")
-        _check_real("dt_scale", dt_scale)
-        _check_real("dt_init_floor", dt_init_floor, nonnegative=True)
-        _check_bool("conv_bias", conv_bias)
-        _check_bool("bias", bias)
+        check_real("dt_scale", dt_scale)
+        check_real("dt_init_floor", dt_init_floor, nonnegative=True)
+        check_bool("conv_bias", conv_bias)
+        check_bool("bias", bias)
         if layer_idx is not None:
-            _check_int("layer_idx", layer_idx, minimum=0)
-        self.eps = _check_real("eps", eps, positive=True)
+            check_int("layer_idx", layer_idx, minimum=0)
+        self.eps = check_real("eps", eps, positive=True)
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
             raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
         factory_kwargs: Dict[str, Any] = {"device": device, "dtype": dtype}
@@ -329,8 +287,8 @@ class _MambaMixer(nn.Module):
 
         ``max_seqlen`` is accepted for interface compatibility (the states do not depend on it).
         """
-        _check_int("batch_size", batch_size)
-        _check_int("max_seqlen", max_seqlen, minimum=0)
+        check_int("batch_size", batch_size)
+        check_int("max_seqlen", max_seqlen, minimum=0)
         device = self.out_proj.weight.device
         conv_dtype = self.conv1d.weight.dtype if dtype is None else dtype
         ssm_dtype = self.dt_proj.weight.dtype if dtype is None else dtype
@@ -429,25 +387,35 @@ class _MambaMixer(nn.Module):
         K = cw.shape[1]
         j0 = max(0, K - seq_len)
         blocks = [cw[:, k, None] * w["W_x"] for k in range(j0, K)]
-        a = min(sum(_spectral_norm(m) for m in blocks), math.sqrt(K - j0) * _spectral_norm(torch.cat(blocks, 1)))
+        a = min(math.fsum(bounds.op_norm(m) for m in blocks),
+                math.sqrt(K - j0) * bounds.op_norm(torch.cat(blocks, 1)))
         tails = torch.flip(torch.cumsum(torch.flip(cw * w["b_x"][:, None], [1]), 1), [1])  # sum_{k>=j}
-        b_c = float((tails + w["conv_b"][:, None]).norm(dim=0).max())
+        b_c = bounds.row_norm_max((tails + w["conv_b"][:, None]).T)
         M = w["dt_w"] @ w["W_dt"]  # (d_inner, d_inner): delta_pre = M x_param + dt_b
         return {
-            "a": a, "b_c": b_c, "Wz": _spectral_norm(w["W_z"]), "bz": float(w["b_z"].norm()),
-            "WB": _spectral_norm(w["W_B"]), "WC": _spectral_norm(w["W_C"]), "Wout": _spectral_norm(w["W_out"]),
-            "bout": float(w["b_out"].norm()), "Dmax": float(w["D"].abs().max()),
-            "M_rows_max": float(M.norm(dim=1).max()), "b_dt_pos_max": float(w["dt_b"].clamp(min=0).max()),
+            "a": a, "b_c": b_c, "Wz": bounds.op_norm(w["W_z"]), "bz": bounds.vec_norm(w["b_z"]),
+            "WB": bounds.op_norm(w["W_B"]), "WC": bounds.op_norm(w["W_C"]), "Wout": bounds.op_norm(w["W_out"]),
+            "bout": bounds.vec_norm(w["b_out"]), "Dmax": bounds.vec_inf_norm(w["D"]),
+            "M_rows_max": bounds.row_norm_max(M), "b_dt_pos_max": float(w["dt_b"].clamp(min=0).max()),
         }
 
     def _cert_name(self) -> str:
         return type(self).__name__ + ("" if self.layer_idx is None else f"[{self.layer_idx}]")
 
-    @staticmethod
-    def _check_cert_args(seq_len: object, r0: object) -> Tuple[int, float | None]:
-        L = _check_int("seq_len", seq_len)
-        r = None if r0 is None else _check_real("r0", r0, positive=True)
+    def _check_cert_args(self, seq_len: object, r0: object) -> Tuple[int, float | None]:
+        L, r = check_cert_args(seq_len, r0, block=type(self).__name__, needs_seq_len=True)  # type: ignore[arg-type]
+        check_finite(self)
+        assert L is not None
         return L, r
+
+    def _rounded(self, value: float, seq_len: int) -> float:
+        """``value`` raised to cover the float64 rounding of the certificate's own arithmetic.
+
+        Every coefficient is a sum of non-negative terms (products, exponentials and geometric sums of the
+        norms) built in at most ``8 seq_len d_inner d_state`` float64 operations, each with a relative error
+        of at most the unit roundoff.
+        """
+        return bounds.rounded_up(value, 8 * seq_len * self.d_inner * self.d_state)
 
 
 def _geo(n: int, rate_log: torch.Tensor) -> torch.Tensor:
@@ -519,58 +487,16 @@ def _decay_sums(dmax: torch.Tensor, mrow: torch.Tensor, A: torch.Tensor, dmin: t
     return out[0], out[1], out[2]
 
 
-# Polynomials in the radius: lists of nonnegative coefficients, index = degree.
-Poly = List[float]
+def _poly(*coefficients: float) -> Poly:
+    """``sum_k coefficients[k] R^k``."""
+    return Poly({float(k): a for k, a in enumerate(coefficients)})
 
 
-def _padd(*ps: Poly) -> Poly:
-    out = [0.0] * max(len(p) for p in ps)
+def _prod(*ps: Poly) -> Poly:
+    out = Poly.const(1.0)
     for p in ps:
-        for i, a in enumerate(p):
-            out[i] += a
+        out = out * p
     return out
-
-
-def _pmul(*ps: Poly) -> Poly:
-    out: Poly = [1.0]
-    for p in ps:
-        nxt = [0.0] * (len(out) + len(p) - 1)
-        for i, a in enumerate(out):
-            for j, b in enumerate(p):
-                nxt[i + j] += a * b
-        out = nxt
-    return out
-
-
-def _pscale(s: float, p: Poly) -> Poly:
-    return [s * a for a in p]
-
-
-def _poly_peak(polys: List[Poly], what: str) -> Peak:
-    """The :class:`~certblocks.certificate.Peak` of intermediates bounded by polynomials in ``R`` (with margin)."""
-    return _coeffs.fold_peak([{float(i): coef * _MARGIN for i, coef in enumerate(p)} for p in polys], what)
-
-
-def _fold_growth(p: Poly, q: int, t: float) -> Tuple[float, float]:
-    """``(c, b)`` with ``sum_k p_k rho^k <= c rho^q + b`` for all ``rho >= 0`` (``deg p <= q``).
-
-    Uses ``rho^k <= t^(k-q) rho^q + t^k`` for ``0 < k < q`` and any ``t > 0`` (split at ``rho = t``).
-    """
-    if len(p) > q + 1:
-        raise RuntimeError("internal: polynomial degree above q")
-    c = p[q] if len(p) > q else 0.0
-    b = p[0]
-    for k in range(1, min(q, len(p))):
-        c += p[k] * t ** (k - q)
-        b += p[k] * t**k
-    return c, b
-
-
-def _fold_jacobian(p: Poly, sigma: int) -> Tuple[float, float]:
-    """``(l1, l0)`` with ``sum_k p_k R^k <= l1 max(R, 1)^sigma + l0`` for all ``R >= 0``."""
-    if len(p) > sigma + 1:
-        raise RuntimeError("internal: polynomial degree above sigma")
-    return float(sum(p[1:])), float(p[0])
 
 
 class Mamba(_MambaMixer):
@@ -655,35 +581,34 @@ class Mamba(_MambaMixer):
         L, r0f = self._check_cert_args(seq_len, r0)
         w = self._weights64()
         k = self._common_constants(w, L)
-        U: Poly = [k["b_c"], k["a"]]
-        Z: Poly = [k["bz"], k["Wz"]]
-        Delta: Poly = _padd([k["b_dt_pos_max"] + math.log(2.0)], _pscale(k["M_rows_max"], U))
-        Bn, Cn = _pscale(k["WB"], U), _pscale(k["WC"], U)
-        Y = _padd(_pscale(float(L), _pmul(Cn, Bn, Delta, U)), _pscale(k["Dmax"], U))
-        growth = _padd(_pscale(k["Wout"], _pmul(Z, Y)), [k["bout"]])
-        c, b = _fold_growth(growth, 5, 1.0 if r0f is None else r0f)
+        U = _poly(k["b_c"], k["a"])
+        Z = _poly(k["bz"], k["Wz"])
+        Delta = _poly(k["b_dt_pos_max"] + math.log(2.0)) + U.scale(k["M_rows_max"])
+        Bn, Cn = U.scale(k["WB"]), U.scale(k["WC"])
+        Y = _prod(Cn, Bn, Delta, U).scale(float(L)) + U.scale(k["Dmax"])
+        growth = (Z * Y).scale(k["Wout"]) + Poly.const(k["bout"])
+        c, b = growth.collapse_growth(5, r0f if r0f else 1.0)
 
         e_u = SILU_LIPSCHITZ * k["a"]
         dDelta = k["M_rows_max"] * e_u
-        dY = _padd(
-            _pscale(float(L) * e_u, _pmul(Cn, Bn, Delta)),
-            [k["Dmax"] * e_u],
-            _pscale(float(L) * (k["WC"] * e_u), _pmul(Bn, Delta, U)),
-            _pscale(float(L) * (k["WB"] * e_u), _pmul(Cn, Delta, U)),
-            _pscale(float(L) * dDelta, _pmul(Cn, Bn, U)),
-            _pscale(float(L) * dDelta * math.exp(-1.0), _pmul(Cn, Bn, Delta, U)),
-        )
-        jac = _pscale(k["Wout"], _padd(_pscale(SILU_LIPSCHITZ * k["Wz"], Y), _pmul(Z, dY)))
-        l1, l0 = _fold_jacobian(jac, 5)
+        dY = (_prod(Cn, Bn, Delta).scale(float(L) * e_u) + Poly.const(k["Dmax"] * e_u)
+              + _prod(Bn, Delta, U).scale(float(L) * k["WC"] * e_u)
+              + _prod(Cn, Delta, U).scale(float(L) * k["WB"] * e_u)
+              + _prod(Cn, Bn, U).scale(float(L) * dDelta)
+              + _prod(Cn, Bn, Delta, U).scale(float(L) * dDelta * math.exp(-1.0)))
+        jac = (Y.scale(SILU_LIPSCHITZ * k["Wz"]) + Z * dY).scale(k["Wout"])
+        l1, l0 = jac.collapse_jacobian(5)
         # intermediates: in_proj (x and z halves), the scan input U, x_proj's outputs (delta before and
         # after softplus, B, C), the state h_t (at most L steps of delta B u), y, the gated y, the output
-        xproj = _pscale(_spectral_norm(torch.cat([w["W_dt"], w["W_B"], w["W_C"]])), U)
-        state = _pscale(float(L), _pmul(Bn, Delta, U))
-        peak = _poly_peak([[float(w["b_x"].norm()), _spectral_norm(w["W_x"])], Z, U, xproj, Delta, Bn, Cn, state, Y,
-                           _pmul(Z, Y), growth, [1.0]], "selective-scan state and output (degree 5 in ||x||)")
+        xproj = U.scale(bounds.op_norm(torch.cat([w["W_dt"], w["W_B"], w["W_C"]])))
+        state = _prod(Bn, Delta, U).scale(float(L))
+        x_half = _poly(bounds.vec_norm(w["b_x"]), bounds.op_norm(w["W_x"]))
+        peak = bounds.fold_peak([x_half, Z, U, xproj, Delta, Bn, Cn, state, Y, Z * Y, growth, Poly.const(1.0)],
+                                "selective-scan state and output (degree 5 in ||x||)")
+        r = lambda v: self._rounded(v, L)  # noqa: E731
         return BlockCertificate(
-            5, 5, c=c * _MARGIN, b=b * _MARGIN, l1=l1 * _MARGIN, l0=l0 * _MARGIN,
-            name=self._cert_name(), peak=peak,
+            5, 5, c=r(c), b=r(b), l1=r(l1), l0=r(l0), name=self._cert_name(),
+            peak=dataclasses.replace(peak, c=r(peak.c), b=r(peak.b)),
             culprit="selective scan of the un-normalized x: delta*B*x (q=3), C*h (q=4), SiLU(z) gate (q=5)",
             fix="use LinearGrowthMamba (same weights): x_proj reads x/||x|| per token and the gate is sigmoid(z)",
         )
@@ -783,7 +708,7 @@ class LinearGrowthMamba(_MambaMixer):
         w = self._weights64()
         k = self._common_constants(w, L)
         M = w["dt_w"] @ w["W_dt"]
-        mrow = M.norm(dim=1)
+        mrow = M.norm(dim=1) * (1.0 + 2.0 * bounds.UNIT_ROUNDOFF * M.shape[1])  # rounded up
         dmax = F.softplus(w["dt_b"] + mrow)
         dmin = F.softplus(w["dt_b"] - mrow)
         S, S_M, S_A = _decay_sums(dmax, mrow, w["A"], dmin, L)
@@ -795,19 +720,22 @@ class LinearGrowthMamba(_MambaMixer):
         e_u = SILU_LIPSCHITZ * a
         nu = 1.0 / math.sqrt(self.eps)
         lin = (K1 + WCB * (S + S_M)) * e_u  # terms independent of U
-        per_U = WCB * nu * e_u * (S + S_A) + 0.25 * k["Wz"] * K1  # multiplies U = a R + b_c
+        per_U = WCB * nu * e_u * (S + S_A) + bounds.SIGMOID_DERIVATIVE_MAX * k["Wz"] * K1  # multiplies U = a R + b_c
         l1 = k["Wout"] * per_U * a
         l0 = k["Wout"] * (lin + per_U * b_c)
         # intermediates: in_proj (x and z halves), the scan input U = a R + b_c, x_proj's outputs from the
         # normalized p (||p|| < 1: delta before softplus <= max ||M_i|| + |dt_b|, after <= dmax, B, C), the
         # state ||h_t|| <= ||W_B|| S U, y and the gated y (<= K1 U), the output
-        xproj = _spectral_norm(torch.cat([w["W_dt"], w["W_B"], w["W_C"]]))
+        xproj = bounds.op_norm(torch.cat([w["W_dt"], w["W_B"], w["W_C"]]))
         consts = [xproj, float(mrow.max() + w["dt_b"].abs().max()), float(dmax.max()), 1.0]  # 1: decays, gate
-        peak = _poly_peak([[float(w["b_x"].norm()), _spectral_norm(w["W_x"])], [k["bz"], k["Wz"]], [b_c, a],
-                           [max(consts)], [k["WB"] * S * b_c, k["WB"] * S * a], [K1 * b_c, K1 * a], [b, c]],
-                          "selective-scan state h_t (at most seq_len steps of delta B u)")
+        peak = bounds.fold_peak([_poly(bounds.vec_norm(w["b_x"]), bounds.op_norm(w["W_x"])), _poly(k["bz"], k["Wz"]),
+                                 _poly(b_c, a), _poly(max(consts)), _poly(k["WB"] * S * b_c, k["WB"] * S * a),
+                                 _poly(K1 * b_c, K1 * a), _poly(b, c)],
+                                "selective-scan state h_t (at most seq_len steps of delta B u)")
+        r = lambda v: self._rounded(v, L)  # noqa: E731
         return BlockCertificate(
-            1, 1, c=c * _MARGIN, b=b * _MARGIN, l1=l1 * _MARGIN, l0=l0 * _MARGIN, name=self._cert_name(), peak=peak,
+            1, 1, c=r(c), b=r(b), l1=r(l1), l0=r(l0), name=self._cert_name(),
+            peak=dataclasses.replace(peak, c=r(peak.c), b=r(peak.b)),
             culprit="selective scan: C_t and the decays read x_t/||x_t|| while the state holds un-normalized x "
                     "(sigma = 1)",
         )

@@ -18,18 +18,20 @@ gate's pre-activation ``u = W_u x + b_u``; ``v(x) = fc2(a * gate(u))``.
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Dict, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import bounds
+from .._validation import check_cert_args, check_choice, check_finite, check_input, check_int, check_prob
 from ..certificate import BlockCertificate
 from ..exponents import Exponents
-from . import _coeffs
-from .attention import _check_cert_args, _check_choice, _check_int, _check_prob, check_input
+from ..protocol import CapSlot, linear_cap_slots
 
-__all__ = ["MLP", "GatedMLP"]
+__all__ = ["MLP", "GatedMLP", "activation_name"]
 
 _ACTS = ("gelu", "gelu_tanh", "relu", "silu")
 _GATES = ("sigmoid", "silu")
@@ -49,7 +51,49 @@ def _f64(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if t is None else t.detach().to(device="cpu", dtype=torch.float64)
 
 
-def _act_name(mod: nn.Module) -> str:
+@dataclass(frozen=True)
+class MLPNorms:
+    """The norms an :class:`MLP` certificate reads (upper bounds).
+
+    Attributes:
+        w1, w2: ``||W1||``, ``||W2||``.
+        b1, b2: ``||b1||``, ``||b2||``.
+        c: ``sup ||W2 diag(r) W1||`` over the activation's ratio range (at most ``max|r| w2 w1``).
+        l0: ``sup ||W2 diag(d) W1||`` over its derivative range (at most ``Lip(phi) w2 w1``).
+    """
+
+    w1: float
+    w2: float
+    b1: float
+    b2: float
+    c: float
+    l0: float
+
+
+@dataclass(frozen=True)
+class GatedNorms:
+    """The norms a sigmoid-gated :class:`GatedMLP` certificate reads (upper bounds).
+
+    Attributes:
+        w2, wg, wu: ``||W2||``, ``||W_g||``, ``||W_u||``.
+        rg: ``||W_g||_{2->inf}`` (largest row norm; at most ``wg``).
+        bg, bu, b2: Euclidean norms of the biases.
+        bg_inf: ``||b_g||_inf`` (at most ``bg``).
+        c: ``sup ||W2 diag(s) W_g||`` over ``0 <= s <= 1`` (at most ``w2 wg``).
+    """
+
+    w2: float
+    wg: float
+    wu: float
+    rg: float
+    bg: float
+    bu: float
+    b2: float
+    bg_inf: float
+    c: float
+
+
+def activation_name(mod: nn.Module) -> str:
     """Name of an activation module (``nn.GELU``, ``nn.SiLU``, ``nn.ReLU``, ``nn.Sigmoid``, HF activations)."""
     if isinstance(mod, nn.GELU):
         return "gelu_tanh" if mod.approximate == "tanh" else "gelu"
@@ -89,15 +133,15 @@ class MLP(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, act: str = "gelu", *, bias: bool = True, dropout: float = 0.0,
                  device=None, dtype=None) -> None:
         super().__init__()
-        self.dim = _check_int("dim", dim)
-        self.hidden_dim = _check_int("hidden_dim", hidden_dim)
-        self.act = _check_choice("act", act, _ACTS)
+        self.dim = check_int("dim", dim)
+        self.hidden_dim = check_int("hidden_dim", hidden_dim)
+        self.act = check_choice("act", act, _ACTS)
         if not isinstance(bias, bool):
             raise TypeError(f"bias must be a bool, got {bias!r}")
         dd = {"device": device, "dtype": dtype}
         self.fc1 = nn.Linear(dim, hidden_dim, bias=bias, **dd)
         self.fc2 = nn.Linear(hidden_dim, dim, bias=bias, **dd)
-        self.dropout = nn.Dropout(_check_prob("dropout", dropout))
+        self.dropout = nn.Dropout(check_prob("dropout", dropout))
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, hidden_dim={self.hidden_dim}, act={self.act!r}"
@@ -124,21 +168,41 @@ class MLP(nn.Module):
         y = h @ self.fc2.weight.T
         return y if self.fc2.bias is None else y + self.fc2.bias
 
+    # -- certificate ----------------------------------------------------------------------------------------
     def certificate(self, *, seq_len: Optional[int] = None, r0: Optional[float] = None) -> BlockCertificate:
         """Certificate from the current weights (token-wise: independent of ``seq_len``; ``r0`` unused)."""
-        _check_cert_args(seq_len, r0)
+        check_cert_args(seq_len, r0)
+        check_finite(self)
         w1, w2 = _f64(self.fc1.weight), _f64(self.fc2.weight)
-        n1, n2 = _coeffs.op_norm(w1), _coeffs.op_norm(w2)
-        rlo, rhi = _coeffs.ACT_RATIO_RANGE[self.act]
-        c = _coeffs.sandwich_norm(w2, w1, rlo, rhi, a_norm=n2, b_norm=n1)
-        b = n2 * _coeffs.vec_norm(self.fc1.bias) + _coeffs.vec_norm(self.fc2.bias)
-        dlo, dhi = _coeffs.ACT_DERIVATIVE_RANGE[self.act]
-        l0 = _coeffs.sandwich_norm(w2, w1, dlo, dhi, a_norm=n2, b_norm=n1)
-        e = type(self).exponents
+        n1, n2 = bounds.op_norm(self.fc1.weight), bounds.op_norm(self.fc2.weight)
+        n21 = bounds.product_norm(w2, w1)
+        act = bounds.activation(self.act)
+        assert act.ratio is not None
+        return self._certificate(MLPNorms(
+            w1=n1, w2=n2, b1=bounds.vec_norm(self.fc1.bias), b2=bounds.vec_norm(self.fc2.bias),
+            c=bounds.sandwich_norm(w2, w1, *act.ratio, a_norm=n2, b_norm=n1, ab_norm=n21),
+            l0=bounds.sandwich_norm(w2, w1, *act.derivative, a_norm=n2, b_norm=n1, ab_norm=n21)))
+
+    def cap_slots(self) -> List[CapSlot]:
+        """``fc1`` (keys ``a1``, ``beta1``) and ``fc2`` (``a2``, ``beta2``)."""
+        return linear_cap_slots(self.fc1, (self.hidden_dim,), ("a1",), ("beta1",)) + \
+            linear_cap_slots(self.fc2, (self.dim,), ("a2",), ("beta2",))
+
+    def certificate_from_caps(self, caps: Mapping[str, float], *, seq_len: Optional[int] = None) -> BlockCertificate:
+        """The certificate that holds while ``||W1|| <= a1``, ``||W2|| <= a2``, ``||b_i|| <= beta_i``."""
+        act = bounds.activation(self.act)
+        assert act.ratio is not None
+        a1, a2 = caps["a1"], caps["a2"]
+        return self._certificate(MLPNorms(w1=a1, w2=a2, b1=caps.get("beta1", 0.0), b2=caps.get("beta2", 0.0),
+                                          c=max(map(abs, act.ratio)) * a2 * a1, l0=act.lipschitz * a2 * a1))
+
+    def _certificate(self, n: MLPNorms) -> BlockCertificate:
+        """The one formula behind :meth:`certificate` and :meth:`certificate_from_caps`."""
+        b = n.w2 * n.b1 + n.b2
         # intermediates: h = W1 x + b1 and |act(h)| <= |h| entrywise (GELU, ReLU, SiLU); then the output
-        hidden = {1.0: n1, 0.0: _coeffs.vec_norm(self.fc1.bias)}
-        peak = _coeffs.fold_peak([hidden, {1.0: c, 0.0: b}], "hidden pre-activation W1 x + b1")
-        return BlockCertificate(e.q, e.sigma, c=c, b=b, l1=0.0, l0=l0, name="MLP",
+        peak = bounds.fold_peak([{1.0: n.w1, 0.0: n.b1}, {1.0: n.c, 0.0: b}], "hidden pre-activation W1 x + b1")
+        e = type(self).exponents
+        return BlockCertificate(e.q, e.sigma, c=n.c, b=b, l1=0.0, l0=n.l0, name="MLP",
                                 culprit=f"Lipschitz activation {self.act}", peak=peak)
 
     @classmethod
@@ -165,7 +229,7 @@ class MLP(nn.Module):
             raise TypeError("the source's layers must be nn.Linear")
         if act_mod is None:
             raise ValueError(f"{type(src).__name__}: activation module not found")
-        act = _act_name(act_mod)
+        act = activation_name(act_mod)
         if (l1.bias is None) != (l2.bias is None):
             raise ValueError("the source's two layers must both have a bias or both have none")
         cfg: Dict[str, Any] = dict(dim=l1.in_features, hidden_dim=l1.out_features, act=act, bias=l1.bias is not None,
@@ -206,9 +270,9 @@ class GatedMLP(nn.Module):
     def __init__(self, dim: int, hidden_dim: Optional[int] = None, *, gate: str = "sigmoid", bias: bool = False,
                  device=None, dtype=None) -> None:
         super().__init__()
-        self.dim = _check_int("dim", dim)
-        self.hidden_dim = 4 * dim if hidden_dim is None else _check_int("hidden_dim", hidden_dim)
-        self.gate = _check_choice("gate", gate, _GATES)
+        self.dim = check_int("dim", dim)
+        self.hidden_dim = 4 * dim if hidden_dim is None else check_int("hidden_dim", hidden_dim)
+        self.gate = check_choice("gate", gate, _GATES)
         if not isinstance(bias, bool):
             raise TypeError(f"bias must be a bool, got {bias!r}")
         self.exponents = Exponents(1, 1) if gate == "sigmoid" else Exponents(2, 1)
@@ -239,6 +303,7 @@ class GatedMLP(nn.Module):
         y = (a * g) @ self.fc2.weight.T
         return y if self.fc2.bias is None else y + self.fc2.bias
 
+    # -- certificate ----------------------------------------------------------------------------------------
     def _split(self) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor],
                               torch.Tensor, Optional[torch.Tensor]]:
         h = self.hidden_dim
@@ -253,46 +318,78 @@ class GatedMLP(nn.Module):
 
     def certificate(self, *, seq_len: Optional[int] = None, r0: Optional[float] = None) -> BlockCertificate:
         """Certificate from the current weights (token-wise: independent of ``seq_len``; ``r0`` unused)."""
-        _check_cert_args(seq_len, r0)
+        check_cert_args(seq_len, r0)
+        check_finite(self)
         wg, wu, bg, bu, w2, b2 = self._split()
-        n2, ng, nu = _coeffs.op_norm(w2), _coeffs.op_norm(wg), _coeffs.op_norm(wu)
-        rg, ru = _coeffs.row_norm_max(wg), _coeffs.row_norm_max(wu)
-        bg2, bu2 = _coeffs.vec_norm(bg), _coeffs.vec_norm(bu)
-        bgi, bui = _coeffs.vec_inf_norm(bg), _coeffs.vec_inf_norm(bu)
-        nb2 = _coeffs.vec_norm(b2)
-        # intermediates: both halves of fc1 (a = W_g x + b_g, u = W_u x + b_u), 0 < sigmoid < 1, |silu(u)| <= |u|
-        polys = [{1.0: math.hypot(ng, nu), 0.0: math.hypot(bg2, bu2)}, {0.0: 1.0}]
-        if self.gate == "sigmoid":
-            # sigmoid(u) in [0, 1]: v = W2 diag(sigma) (W_g x + b_g) + b2
-            c = _coeffs.sandwich_norm(w2, wg, 0.0, 1.0, a_norm=n2, b_norm=ng)
-            b = n2 * bg2 + nb2
-            # J = W2 diag(sigma) W_g + W2 diag(a sigma') W_u, |a_k sigma'| <= (r_g R + ||b_g||_inf) / 4
-            l1 = n2 * nu * rg * _coeffs.SIGMOID_DERIVATIVE_MAX
-            l0 = c + n2 * nu * bgi * _coeffs.SIGMOID_DERIVATIVE_MAX
-            culprit = "sigmoid gate: Jacobian ~ ||W_g x|| sigmoid'(W_u x)"
-        else:
-            # ||a * silu(u)|| <= min(||a||_inf ||u||_2, ||a||_2 ||u||_inf); each factor affine in rho
-            best = None
-            product = None
-            for (p1, q1), (p2, q2) in (((rg, bgi), (nu, bu2)), ((ng, bg2), (ru, bui))):
-                quad, lin, const = p1 * p2, p1 * q2 + q1 * p2, q1 * q2
-                cand = (n2 * (quad + 0.5 * lin), n2 * (0.5 * lin + const) + nb2)
-                if best is None or cand[0] + cand[1] < best[0] + best[1]:
-                    best, product = cand, {2.0: quad, 1.0: lin, 0.0: const}
-            assert best is not None and product is not None
-            c, b = best
-            polys.append(product)
-            lip = _coeffs.act_lipschitz("silu")
-            l1 = n2 * (ng * ru + lip * nu * rg)
-            l0 = n2 * (ng * bui + lip * nu * bgi)
-            culprit = "SwiGLU product (W_g x) * SiLU(W_u x): quadratic growth"
-        q = self.exponents.q
-        polys.append({q: c, 0.0: b})
-        what = "gate input W_g x, W_u x" if self.gate == "sigmoid" else "gated product (W_g x) * SiLU(W_u x)"
-        return BlockCertificate(q, self.exponents.sigma, c=c, b=b, l1=l1, l0=l0,
-                                name=f"GatedMLP({self.gate})", culprit=culprit,
-                                fix="" if self.gate == "sigmoid" else "use gate='sigmoid' (q 2 -> 1)",
-                                peak=_coeffs.fold_peak(polys, what))
+        n2, ng, nu = bounds.op_norm(self.fc2.weight), bounds.op_norm(wg), bounds.op_norm(wu)
+        if self.gate == "silu":
+            return self._swiglu_certificate(wg, wu, bg, bu, n2, ng, nu, bounds.vec_norm(b2))
+        return self._certificate(GatedNorms(
+            w2=n2, wg=ng, wu=nu, rg=bounds.row_norm_max(wg), bg=bounds.vec_norm(bg), bu=bounds.vec_norm(bu),
+            b2=bounds.vec_norm(b2), bg_inf=bounds.vec_inf_norm(bg),
+            c=bounds.sandwich_norm(w2, wg, 0.0, 1.0, a_norm=n2, b_norm=ng)))
+
+    def cap_slots(self) -> List[CapSlot]:
+        """``fc1`` in two row blocks (value ``ag``/``betag``, gate ``au``/``betau``) and ``fc2`` (``a2``, ``beta2``).
+
+        Raises:
+            TypeError: for ``gate="silu"`` (SwiGLU, q = 2: no cap certifies it in depth).
+        """
+        self._check_enforceable()
+        h = self.hidden_dim
+        return linear_cap_slots(self.fc1, (h, h), ("ag", "au"), ("betag", "betau")) + \
+            linear_cap_slots(self.fc2, (self.dim,), ("a2",), ("beta2",))
+
+    def certificate_from_caps(self, caps: Mapping[str, float], *, seq_len: Optional[int] = None) -> BlockCertificate:
+        """The certificate that holds while every part of ``fc1`` and ``fc2`` is within its cap (sigmoid gate)."""
+        self._check_enforceable()
+        a2, ag, au, betag = caps["a2"], caps["ag"], caps["au"], caps.get("betag", 0.0)
+        return self._certificate(GatedNorms(w2=a2, wg=ag, wu=au, rg=ag, bg=betag, bu=caps.get("betau", 0.0),
+                                            b2=caps.get("beta2", 0.0), bg_inf=betag, c=a2 * ag))
+
+    def _check_enforceable(self) -> None:
+        if self.gate != "sigmoid":
+            raise TypeError(f"GatedMLP(gate={self.gate!r}) has q = 2 and cannot be certified in depth; "
+                            "use gate='sigmoid'")
+
+    def _certificate(self, n: GatedNorms) -> BlockCertificate:
+        """The sigmoid-gated certificate from its norms: the formula behind both certificate methods.
+
+        ``sigmoid(u)`` in ``[0, 1]``: ``v = W2 diag(s) (W_g x + b_g) + b2``; the Jacobian is
+        ``W2 diag(s) W_g + W2 diag(a s') W_u`` with ``|a_k s'| <= (r_g R + ||b_g||_inf) / 4``.
+        """
+        quarter = bounds.SIGMOID_DERIVATIVE_MAX
+        b = n.w2 * n.bg + n.b2
+        l1 = n.w2 * n.wu * n.rg * quarter
+        l0 = n.c + n.w2 * n.wu * n.bg_inf * quarter
+        # intermediates: both halves of fc1 (a = W_g x + b_g, u = W_u x + b_u), 0 < sigmoid < 1, the output
+        polys = [{1.0: math.hypot(n.wg, n.wu), 0.0: math.hypot(n.bg, n.bu)}, {0.0: 1.0}, {1.0: n.c, 0.0: b}]
+        e = self.exponents
+        return BlockCertificate(e.q, e.sigma, c=n.c, b=b, l1=l1, l0=l0, name="GatedMLP(sigmoid)",
+                                culprit="sigmoid gate: Jacobian ~ ||W_g x|| sigmoid'(W_u x)",
+                                peak=bounds.fold_peak(polys, "gate input W_g x, W_u x"))
+
+    def _swiglu_certificate(self, wg: torch.Tensor, wu: torch.Tensor, bg: Optional[torch.Tensor],
+                            bu: Optional[torch.Tensor], n2: float, ng: float, nu: float,
+                            nb2: float) -> BlockCertificate:
+        """SwiGLU ``(2, 1)``: ``||a * silu(u)|| <= min(||a||_inf ||u||_2, ||a||_2 ||u||_inf)``, each factor affine."""
+        rg, ru = bounds.row_norm_max(wg), bounds.row_norm_max(wu)
+        bg2, bu2 = bounds.vec_norm(bg), bounds.vec_norm(bu)
+        bgi, bui = bounds.vec_inf_norm(bg), bounds.vec_inf_norm(bu)
+        best = product = None
+        for (p1, q1), (p2, q2) in (((rg, bgi), (nu, bu2)), ((ng, bg2), (ru, bui))):
+            quad, lin, const = p1 * p2, p1 * q2 + q1 * p2, q1 * q2
+            cand = (n2 * (quad + 0.5 * lin), n2 * (0.5 * lin + const) + nb2)  # ||x|| <= (1 + ||x||^2) / 2
+            if best is None or cand[0] + cand[1] < best[0] + best[1]:
+                best, product = cand, {2.0: quad, 1.0: lin, 0.0: const}
+        assert best is not None and product is not None
+        c, b = best
+        lip = bounds.lipschitz("silu")
+        polys = [{1.0: math.hypot(ng, nu), 0.0: math.hypot(bg2, bu2)}, {0.0: 1.0}, product, {2.0: c, 0.0: b}]
+        return BlockCertificate(2, 1, c=c, b=b, l1=n2 * (ng * ru + lip * nu * rg), l0=n2 * (ng * bui + lip * nu * bgi),
+                                name="GatedMLP(silu)", culprit="SwiGLU product (W_g x) * SiLU(W_u x): quadratic growth",
+                                fix="use gate='sigmoid' (q 2 -> 1)",
+                                peak=bounds.fold_peak(polys, "gated product (W_g x) * SiLU(W_u x)"))
 
     @classmethod
     def from_module(cls, src: nn.Module, *, gate: Optional[str] = None, **overrides: Any) -> GatedMLP:
@@ -311,19 +408,19 @@ class GatedMLP(nn.Module):
             raise TypeError(f"src must be an nn.Module, got {type(src).__name__}")
         if hasattr(src, "gate_proj") and hasattr(src, "up_proj") and hasattr(src, "down_proj"):  # LLaMA
             value, gate_l, out = src.up_proj, src.gate_proj, src.down_proj
-            act = _act_name(src.act_fn) if hasattr(src, "act_fn") else "silu"
+            act = activation_name(src.act_fn) if hasattr(src, "act_fn") else "silu"
             wv, bv, wg_, bg_ = value.weight, value.bias, gate_l.weight, gate_l.bias
         elif hasattr(src, "fc1_g") and hasattr(src, "fc1_x") and hasattr(src, "fc2"):  # timm SwiGLU
             _no_norm(src)
             value, gate_l, out = src.fc1_x, src.fc1_g, src.fc2
-            act = _act_name(src.act)
+            act = activation_name(src.act)
             wv, bv, wg_, bg_ = value.weight, value.bias, gate_l.weight, gate_l.bias
         elif hasattr(src, "fc1") and hasattr(src, "fc2"):  # timm GluMlp / SwiGLUPacked / Toto-style
             _no_norm(src)
             if not isinstance(src.fc1, nn.Linear):
                 raise TypeError("fc1 must be an nn.Linear (timm GluMlp with use_conv=True is not supported)")
             out = src.fc2
-            act = _act_name(src.act) if hasattr(src, "act") else "silu"
+            act = activation_name(src.act) if hasattr(src, "act") else "silu"
             w, bb = src.fc1.weight, src.fc1.bias
             h = w.shape[0] // 2
             if w.shape[0] != 2 * h or h != out.in_features:
@@ -340,7 +437,7 @@ class GatedMLP(nn.Module):
             raise ValueError(f"gate activation {act!r} of {type(src).__name__} is not supported (allowed: {_GATES})")
         if (bv is None) != (out.bias is None):
             raise ValueError("GatedMLP has one bias flag: fc1 and fc2 of the source must both have a bias or none")
-        gate = act if gate is None else _check_choice("gate", gate, _GATES)
+        gate = act if gate is None else check_choice("gate", gate, _GATES)
         cfg: Dict[str, Any] = dict(dim=out.out_features, hidden_dim=out.in_features, gate=gate, bias=bv is not None,
                                    device=out.weight.device, dtype=out.weight.dtype)
         cfg.update(overrides)

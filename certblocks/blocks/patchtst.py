@@ -31,17 +31,19 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
-from typing import ClassVar, Optional, Tuple
+from typing import ClassVar, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
+from .. import bounds
+from .._validation import check_cert_args, check_choice, check_finite, check_int, check_prob
 from ..certificate import BlockCertificate
 from ..exponents import ATTENTION, NORM, Exponents
-from . import _coeffs
-from .attention import Attention, QKNormAttention, _check_cert_args, _check_choice, _check_int, _check_prob
+from ..protocol import CapSlot, EnforceableBlock
+from .attention import Attention, QKNormAttention
 from .mlp import MLP
+from .normed import norm_cap_slots, norm_caps, normalized_certificate
 
 __all__ = ["PatchTSTBlock", "PatchTSTUpdate", "TokenBatchNorm"]
 
@@ -80,40 +82,6 @@ def _make_norm(kind: str, d: int, eps: float, dd: dict) -> nn.Module:
     if kind == "rms":
         return nn.RMSNorm(d, eps=eps, **dd)
     return TokenBatchNorm(d, eps=eps, **dd)
-
-
-def _norm_bounds(norm: nn.Module) -> Tuple[float, float]:
-    """``(A, G)`` of a LayerNorm / RMSNorm: output norm bound and Jacobian norm bound, per token."""
-    d = norm.normalized_shape[-1]
-    eps = norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
-    g = 1.0 if norm.weight is None else _coeffs.vec_inf_norm(norm.weight)
-    beta = _coeffs.vec_norm(getattr(norm, "bias", None))
-    return g * math.sqrt(d) + beta, g / math.sqrt(eps)
-
-
-def _prenorm_jacobian(norm: nn.Module, branch: BlockCertificate) -> float:
-    """Sound bound of ``sup_x ||J_F(N(x))|| ||J_N(x)||`` for a LayerNorm/RMSNorm ``N`` and a branch ``F``.
-
-    With ``t = var(x) / eps`` (LayerNorm; mean square for RMSNorm), ``||N(x)|| <= rho(t) =
-    ||g||_inf sqrt(d t / (1 + t)) + ||beta||`` and ``||J_N(x)|| <= ||g||_inf / sqrt(eps (1 + t))``: the branch sees
-    a large input only where the normalization's Jacobian is small.  On each interval ``[t_a, t_b]`` of a grid
-    the product is at most ``L_F(rho(t_b)) ||g||_inf / sqrt(eps (1 + t_a))`` (``rho`` increases, the other
-    factor decreases), and the last interval runs to infinity; the bound is the largest over the grid and
-    never above the plain product ``L_F(A) G``.
-    """
-    d = norm.normalized_shape[-1]
-    eps = norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
-    g = 1.0 if norm.weight is None else _coeffs.vec_inf_norm(norm.weight)
-    beta = _coeffs.vec_norm(getattr(norm, "bias", None))
-
-    def rho(t: float) -> float:
-        return g * math.sqrt(d * t / (1.0 + t)) + beta
-
-    grid = [0.0] + [10.0 ** (k / 20.0) for k in range(-160, 161)]  # 1e-8 .. 1e8
-    best = branch.jacobian_bound(g * math.sqrt(d) + beta) * g / math.sqrt(eps * (1.0 + grid[-1]))  # tail
-    for ta, tb in zip(grid[:-1], grid[1:]):
-        best = max(best, branch.jacobian_bound(rho(tb)) * g / math.sqrt(eps * (1.0 + ta)))
-    return best
 
 
 def _fold(branch: nn.Module, a_in: Optional[torch.Tensor], c_in: Optional[torch.Tensor],
@@ -189,7 +157,7 @@ class PatchTSTUpdate(nn.Module):
 
     def certificate(self, *, seq_len: Optional[int] = None, r0: Optional[float] = None) -> BlockCertificate:
         """Certificate of this velocity from the current weights (dropout inactive, BatchNorm in eval mode)."""
-        _check_cert_args(seq_len, r0)
+        check_cert_args(seq_len, r0)
         name = f"PatchTST.{self.kind}"
         if not self.is_residual_update:
             return BlockCertificate(
@@ -198,9 +166,9 @@ class PatchTSTUpdate(nn.Module):
                          "itself and is not a residual update X + dt*v(X); the stack theory does not apply"),
                 fix="use placement='pre' or 'peri' (bounded branch input, (0, 0)) or norm=None (the certified "
                     "no-norm layer)")
+        check_finite(self)
         if self.norm is None:
-            cert = self.branch.certificate(seq_len=seq_len)
-            return _renamed(cert, name)
+            return _renamed(self.branch.certificate(seq_len=seq_len), name)
         if self.norm == "batch":
             a_in, c_in = self.norm_in.eval_affine()
             a_out = c_out = None
@@ -208,27 +176,50 @@ class PatchTSTUpdate(nn.Module):
                 a_out, c_out = self.norm_out.eval_affine()
             cert = _fold(self.branch, a_in, c_in, a_out, c_out).certificate(seq_len=seq_len)
             # the folded branch covers everything after the input BatchNorm; add its own output a * x + c
-            bn_in = {1.0: float(a_in.abs().max()), 0.0: _coeffs.vec_norm(c_in)}
-            peak = _coeffs.fold_peak([_coeffs.peak_poly(cert.peak, cert.q, cert.c, cert.b), bn_in],
-                                     cert.peak.what if cert.peak is not None else "BatchNorm output")
+            bn_in = {1.0: float(a_in.abs().max()), 0.0: bounds.vec_norm(c_in)}
+            peak = bounds.fold_peak([bounds.peak_poly(cert.peak, cert.q, cert.c, cert.b), bn_in],
+                                    cert.peak.what if cert.peak is not None else "BatchNorm output")
             cert = dataclasses.replace(cert, peak=peak)
             return _renamed(cert, name, note=" (BatchNorm folded in eval mode: an affine map, not a normalization)")
-        # LayerNorm / RMSNorm
         branch = self.branch.certificate(seq_len=seq_len)
-        a_in, _ = _norm_bounds(self.norm_in)
-        assert branch.q is not None
-        inner = _prenorm_jacobian(self.norm_in, branch)  # sup ||J_F(N(x)) J_N(x)||
-        if self.placement == "pre":
-            c = branch.c * a_in**branch.q + branch.b
-            l0 = inner
-        else:  # peri
-            a_out, g_out = _norm_bounds(self.norm_out)
-            c = a_out
-            l0 = g_out * inner
-        peak = _coeffs.normalized_peak(branch.peak, branch.q, branch.c, branch.b, a_in, c,
-                                       f"branch intermediates at the normalized radius ({self.placement}-{self.norm})")
-        return BlockCertificate(0.0, 0.0, c=c, b=0.0, l1=0.0, l0=l0, name=name,
-                                culprit=f"{self.placement}-{self.norm} norm bounds the branch input", peak=peak)
+        a_in, _ = bounds.module_norm_bounds(self.norm_in)
+        a_out = g_out = None
+        if self.placement == "peri":
+            a_out, g_out = bounds.module_norm_bounds(self.norm_out)
+        return normalized_certificate(branch, placement=self.placement, kind=self.norm, a_in=a_in,
+                                      inner_jacobian=bounds.prenorm_jacobian(self.norm_in, branch.jacobian_bound),
+                                      a_out=a_out, g_out=g_out, name=name)
+
+    def _check_enforceable(self) -> EnforceableBlock:
+        if self.norm is not None and (self.norm not in ("layer", "rms") or self.placement not in ("pre", "peri")):
+            raise TypeError(f"PatchTSTUpdate with norm={self.norm!r}, placement={self.placement!r} is not supported by "
+                            "enforce (norm None, or 'layer'/'rms' with placement 'pre'/'peri')")
+        if not isinstance(self.branch, EnforceableBlock):
+            raise TypeError(f"enforce does not support the branch {type(self.branch).__name__}")
+        return self.branch
+
+    def cap_slots(self) -> List[CapSlot]:
+        """The branch's slots and, when normalized, the norms' scales and biases (``gamma_in``, ``beta_in``, ...)."""
+        slots = self._check_enforceable().cap_slots()
+        if self.norm is not None:
+            slots += norm_cap_slots(self.norm_in, "in")
+            if self.placement == "peri":
+                slots += norm_cap_slots(self.norm_out, "out")
+        return slots
+
+    def certificate_from_caps(self, caps: Mapping[str, float], *, seq_len: Optional[int] = None) -> BlockCertificate:
+        """The certificate that holds while every capped tensor is within its cap (no norm, pre or peri)."""
+        branch = self._check_enforceable().certificate_from_caps(caps, seq_len=seq_len)
+        name = f"PatchTST.{self.kind}"
+        if self.norm is None:
+            return _renamed(branch, name)
+        a_in, g_in = norm_caps(self.norm_in, caps, "in")
+        a_out = g_out = None
+        if self.placement == "peri":
+            a_out, g_out = norm_caps(self.norm_out, caps, "out")
+        return normalized_certificate(branch, placement=self.placement, kind=self.norm, a_in=a_in,
+                                      inner_jacobian=branch.jacobian_bound(a_in) * g_in, a_out=a_out, g_out=g_out,
+                                      name=name)
 
 
 def _renamed(cert: BlockCertificate, name: str, note: str = "") -> BlockCertificate:
@@ -265,18 +256,18 @@ class PatchTSTBlock(nn.Module):
                  qk_norm: bool = False, dropout: float = 0.2, attn_dropout: float = 0.0, act: str = "gelu",
                  bias: bool = True, norm_eps: float = 1e-5, device=None, dtype=None) -> None:
         super().__init__()
-        d_model = _check_int("d_model", d_model)
-        _check_int("n_heads", n_heads)
-        _check_int("d_ff", d_ff)
+        d_model = check_int("d_model", d_model)
+        check_int("n_heads", n_heads)
+        check_int("d_ff", d_ff)
         if norm is not None:
-            _check_choice("norm", norm, _NORMS)
+            check_choice("norm", norm, _NORMS)
         self.norm = norm
-        self.placement = _check_choice("placement", placement, _PLACEMENTS)
+        self.placement = check_choice("placement", placement, _PLACEMENTS)
         if not isinstance(qk_norm, bool):
             raise TypeError(f"qk_norm must be a bool, got {qk_norm!r}")
         if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not norm_eps > 0:
             raise ValueError(f"norm_eps must be a number > 0, got {norm_eps!r}")
-        dropout = _check_prob("dropout", dropout)
+        dropout = check_prob("dropout", dropout)
         dd = {"device": device, "dtype": dtype}
         self.d_model = d_model
         attn_cls = QKNormAttention if qk_norm else Attention
@@ -318,14 +309,12 @@ class PatchTSTBlock(nn.Module):
         x = x + v1(x)
         return x + v2(x)
 
-    def certificate(self, *, seq_len: Optional[int] = None,
-                    r0: Optional[float] = None) -> Tuple[BlockCertificate, BlockCertificate]:
+    def certificates(self, *, seq_len: Optional[int] = None,
+                     r0: Optional[float] = None) -> Tuple[BlockCertificate, BlockCertificate]:
         """One certificate per update, ``(attention, feed-forward)``, ready for ``certify_stack``.
 
-        A PatchTST layer is two residual updates, so this returns a pair rather than one
-        :class:`BlockCertificate`.  Post-norm updates get certificates with ``q`` and ``sigma`` not
-        derived and the reason in ``culprit``.
+        A PatchTST layer is two residual updates, so it is not itself a certified block: each of
+        :meth:`updates` is.  Post-norm updates get certificates with ``q`` and ``sigma`` not derived and the
+        reason in ``culprit``.
         """
         return tuple(u.certificate(seq_len=seq_len, r0=r0) for u in self._updates)  # type: ignore[return-value]
-
-    certificates = certificate

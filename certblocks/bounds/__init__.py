@@ -10,7 +10,7 @@ Everything else (the blocks, the tracer, ``enforce``, the zoo) imports these; no
 """
 
 from .activations import ACTIVATIONS, SIGMOID_DERIVATIVE_MAX, Activation, activation, lipschitz
-from .normalization import NORM_KINDS, module_norm_bounds, norm_bounds, prenorm_jacobian
+from .normalization import NORM_KINDS, module_norm_bounds, norm_bounds, prenorm_jacobian, scalar_norm_bounds
 from .norms import (
     EXACT_LIMIT,
     UNIT_ROUNDOFF,
@@ -52,6 +52,7 @@ __all__ = [
     "rounded_up",
     "row_norm_max",
     "sandwich_norm",
+    "scalar_norm_bounds",
     "vec_inf_norm",
     "vec_norm",
 ]

@@ -63,7 +63,7 @@ ACTIVATIONS: Dict[str, Activation] = {a.name: a for a in (
     # bounded
     Activation("sigmoid", (0.0, 0.25), saturation=1.0, slope=0.0, offset=1.0, sign="+"),
     Activation("tanh", (0.0, 1.0), saturation=1.0, slope=0.0, offset=1.0),
-    Activation("hardsigmoid", (0.0, 1.0 / 6.0), saturation=1.0, slope=0.0, offset=1.0, sign="+"),
+    Activation("hardsigmoid", (0.0, 0.166667), saturation=1.0, slope=0.0, offset=1.0, sign="+"),  # torch: 1/6 in fp32
     Activation("hardtanh", (0.0, 1.0), saturation=1.0, slope=0.0, offset=1.0),
     Activation("sin", (-1.0, 1.0), saturation=1.0, slope=0.0, offset=1.0),
     Activation("cos", (-1.0, 1.0), saturation=1.0, slope=0.0, offset=1.0),

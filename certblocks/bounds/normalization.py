@@ -26,7 +26,7 @@ import torch
 
 from .norms import vec_inf_norm, vec_norm
 
-__all__ = ["NORM_KINDS", "norm_bounds", "module_norm_bounds", "prenorm_jacobian"]
+__all__ = ["NORM_KINDS", "norm_bounds", "scalar_norm_bounds", "module_norm_bounds", "prenorm_jacobian"]
 
 #: The normalizations bounded here.
 NORM_KINDS = ("layer", "rms", "l2")
@@ -44,13 +44,19 @@ def norm_bounds(kind: str, weight: Optional[torch.Tensor], bias: Optional[torch.
         numel: the number of entries normalized together.
         d: the size of the last dimension (default ``numel``).
     """
+    g = 1.0 if weight is None else vec_inf_norm(weight)
+    return scalar_norm_bounds(kind, g, vec_norm(bias), eps, numel=numel, d=d)
+
+
+def scalar_norm_bounds(kind: str, gamma: float, beta: float, eps: float, *, numel: int,
+                       d: Optional[int] = None) -> Tuple[float, float]:
+    """``(A, G)`` from ``gamma >= ||g||_inf`` and ``beta >= ||beta||_2`` (see :func:`norm_bounds`)."""
     if kind not in NORM_KINDS:
         raise ValueError(f"kind must be one of {NORM_KINDS}, got {kind!r}")
     if not eps > 0:
         raise ValueError(f"a normalization with eps = {eps!r} has an unbounded Jacobian; eps must be > 0")
     d = numel if d is None else d
-    g = 1.0 if weight is None else vec_inf_norm(weight)
-    beta = vec_norm(bias)
+    g = gamma
     a = (g if kind == "l2" else g * math.sqrt(numel)) + beta
     jac = g / math.sqrt(eps) * math.sqrt(numel / d)
     return a * (1.0 + 2.0**-50), jac * (1.0 + 2.0**-50)

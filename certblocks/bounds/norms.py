@@ -97,7 +97,7 @@ class _OneThread:
             torch.set_num_threads(self._n)
 
 
-_CACHE: Dict[Hashable, Tuple["weakref.ref[torch.Tensor]", float]] = {}
+_CACHE: Dict[Hashable, Tuple[weakref.ref[torch.Tensor], float]] = {}
 _CACHE_SIZE = 8192
 
 
@@ -259,14 +259,16 @@ def product_norm(a: torch.Tensor, b: torch.Tensor) -> float:
         ra = torch.linalg.qr(a64, mode="r")[1]
         rb = torch.linalg.qr(b64.mT, mode="r")[1]
         core = ra @ rb.mT
-    # ||AB|| <= ||R_a R_b^T|| + ||dA|| ||B|| + ||A|| ||dB|| (+ the core product's rounding): a Frobenius error of
-    # 8 (p + r) k u relative to ||A||_F ||B||_F covers the two factorizations and the product, with room
-    err = 8.0 * (p + r) * k * UNIT_ROUNDOFF
-    return op_norm(core) + 2.0 * err * fa * fb
+    # ||AB|| <= ||R_a R_b^T|| + ||dA|| ||B|| + ||A + dA|| ||dB|| + (the core product's rounding), with the
+    # columnwise backward errors ||dA||_F <= 8 p k u ||A||_F, ||dB||_F <= 8 r k u ||B||_F (Householder QR)
+    ea, eb = 8.0 * p * k * UNIT_ROUNDOFF, 8.0 * r * k * UNIT_ROUNDOFF
+    na, nb = op_norm(a64), op_norm(b64)
+    err = ea * fa * nb + eb * (na + ea * fa) * fb + _gamma(k) * (1.0 + ea) * (1.0 + eb) * fa * fb
+    return op_norm(core) + err
 
 
-def sandwich_norm(a: torch.Tensor, b: torch.Tensor, lo: float, hi: float, *,
-                  a_norm: Optional[float] = None, b_norm: Optional[float] = None) -> float:
+def sandwich_norm(a: torch.Tensor, b: torch.Tensor, lo: float, hi: float, *, a_norm: Optional[float] = None,
+                  b_norm: Optional[float] = None, ab_norm: Optional[float] = None) -> float:
     """Upper bound of ``sup ||A diag(d) B||_2`` over diagonals with ``lo <= d_k <= hi``.
 
     Writes ``diag(d) = m I + E`` with ``m = (lo + hi) / 2`` and ``||E|| <= h = (hi - lo) / 2``: the bound is
@@ -276,7 +278,7 @@ def sandwich_norm(a: torch.Tensor, b: torch.Tensor, lo: float, hi: float, *,
         a: left matrix ``(p, k)``.
         b: right matrix ``(k, r)``.
         lo, hi: the range of the diagonal entries.
-        a_norm, b_norm: precomputed upper bounds of ``||A||``, ``||B||``.
+        a_norm, b_norm, ab_norm: precomputed upper bounds of ``||A||``, ``||B||``, ``||A B||``.
     """
     na = op_norm(a) if a_norm is None else a_norm
     nb = op_norm(b) if b_norm is None else b_norm
@@ -284,5 +286,5 @@ def sandwich_norm(a: torch.Tensor, b: torch.Tensor, lo: float, hi: float, *,
     crude = max(abs(lo), abs(hi)) * na * nb
     if mid == 0.0:
         return crude
-    ab = product_norm(a, b)
+    ab = product_norm(a, b) if ab_norm is None else ab_norm
     return min(abs(mid) * ab + half * na * nb, crude)

@@ -12,7 +12,7 @@ from torch import nn
 
 import certblocks
 from certblocks.blocks import MLP, Attention, GatedMLP, QKNormAttention
-from certblocks.blocks._coeffs import product_norm
+from certblocks.bounds import product_norm
 from certblocks.monitor import CertificateMonitor, CertificateWarning, residual_updates
 
 

@@ -1,0 +1,158 @@
+"""Normalized residual velocities: a branch behind a LayerNorm/RMSNorm (pre), and optionally one after it (peri).
+
+``v(x) = F(N_in(x))`` (``placement="pre"``) or ``N_out(F(N_in(x)))`` (``"peri"``, Peri-LN).  Whatever the
+branch ``F``, the update is ``(0, 0)``: the branch sees inputs of norm at most ``A_in`` and the output is the
+branch's value there (pre) or a normalized vector (peri).  With ``(A, G)`` the normalizations' output and
+Jacobian bounds (:mod:`certblocks.bounds.normalization`) and the branch's certificate ``c_F, b_F, q_F, L_F``:
+
+* pre: ``||v(x)|| <= c_F A_in^q_F + b_F``, ``||dv|| <= sup_x ||J_F(N_in x)|| ||J_N(x)||``;
+* peri: ``||v(x)|| <= A_out``, ``||dv|| <= G_out sup_x ||J_F(N_in x)|| ||J_N(x)||``.
+
+The supremum is :func:`certblocks.bounds.prenorm_jacobian` from the weights (tighter than ``L_F(A_in) G_in``,
+which :meth:`NormedUpdate.certificate_from_caps` uses when only caps on the scales are known).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar, List, Mapping, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .. import bounds
+from .._validation import check_cert_args, check_choice, check_finite
+from ..certificate import BlockCertificate
+from ..exponents import NORM, Exponents
+from ..protocol import CapSlot, EnforceableBlock
+
+__all__ = ["NormedUpdate", "make_norm", "normalized_certificate", "norm_cap_slots", "norm_caps"]
+
+_KINDS = ("layer", "rms")
+_PLACEMENTS = ("pre", "peri")
+
+
+def make_norm(kind: str, d: int, eps: float = 1e-5, device=None, dtype=None) -> nn.Module:
+    """``"layer"`` -> ``nn.LayerNorm``, ``"rms"`` -> ``nn.RMSNorm`` over ``d`` features."""
+    if kind == "layer":
+        return nn.LayerNorm(d, eps=eps, device=device, dtype=dtype)
+    if kind == "rms":
+        return nn.RMSNorm(d, eps=eps, device=device, dtype=dtype)
+    raise ValueError(f"norm must be one of {_KINDS}, got {kind!r}")
+
+
+def normalized_certificate(branch: BlockCertificate, *, placement: str, kind: str, a_in: float,
+                           inner_jacobian: float, a_out: Optional[float] = None, g_out: Optional[float] = None,
+                           name: str = "") -> BlockCertificate:
+    """The ``(0, 0)`` certificate of a pre/peri-normalized branch (module docstring).
+
+    Args:
+        branch: the branch's certificate (exponents derived).
+        placement: ``"pre"`` or ``"peri"``.
+        kind: the normalization (``"layer"``, ``"rms"``), for the labels.
+        a_in: bound of the input normalization's output norm.
+        inner_jacobian: bound of ``sup_x ||J_F(N_in x)|| ||J_N_in(x)||``.
+        a_out, g_out: the output normalization's bounds (``"peri"`` only).
+        name: the certificate's label (default ``"<placement>-<kind>"``).
+    """
+    if branch.q is None or branch.sigma is None:
+        raise ValueError(f"the branch's exponents are not derived: {branch}")
+    if placement == "pre":
+        c, l0 = branch.growth_bound(a_in), inner_jacobian
+    elif placement == "peri":
+        if a_out is None or g_out is None:
+            raise ValueError("a peri-normalized certificate needs a_out and g_out")
+        c, l0 = a_out, g_out * inner_jacobian
+    else:
+        raise ValueError(f"placement must be one of {_PLACEMENTS}, got {placement!r}")
+    label = f"{placement}-{kind}"
+    peak = bounds.normalized_peak(branch.peak, branch.q, branch.c, branch.b, a_in, c,
+                                  f"branch intermediates at the normalized radius ({label})")
+    return BlockCertificate(0.0, 0.0, c=c, b=0.0, l1=0.0, l0=l0, name=name or label,
+                            culprit=f"{label} norm bounds the branch input", peak=peak)
+
+
+def norm_cap_slots(norm: nn.Module, tag: str) -> List[CapSlot]:
+    """The slots of an affine LayerNorm/RMSNorm: scale (``"clamp"``, key ``gamma_<tag>``), bias (``beta_<tag>``)."""
+    if not isinstance(norm, (nn.LayerNorm, nn.RMSNorm)) or getattr(norm, "weight", None) is None:
+        raise TypeError(f"enforce needs an affine nn.LayerNorm or nn.RMSNorm, got {type(norm).__name__}")
+    d = norm.normalized_shape[-1]
+    slots = [CapSlot(norm, "weight", "clamp", (d,), (f"gamma_{tag}",))]
+    if getattr(norm, "bias", None) is not None:
+        slots.append(CapSlot(norm, "bias", "vector", (d,), (f"beta_{tag}",)))
+    return slots
+
+
+def norm_caps(norm: nn.Module, caps: Mapping[str, float], tag: str) -> Tuple[float, float]:
+    """``(A, G)`` of a LayerNorm/RMSNorm whose scale and bias are within the caps ``gamma_<tag>``, ``beta_<tag>``."""
+    kind = "layer" if isinstance(norm, nn.LayerNorm) else "rms"
+    shape = tuple(norm.normalized_shape)
+    eps = norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
+    return bounds.scalar_norm_bounds(kind, caps[f"gamma_{tag}"], caps.get(f"beta_{tag}", 0.0), eps,
+                                     numel=math.prod(shape), d=shape[-1])
+
+
+def _enforceable(branch: nn.Module) -> EnforceableBlock:
+    if not isinstance(branch, EnforceableBlock):
+        raise TypeError(f"enforce does not support the branch {type(branch).__name__}: it has no cap_slots() / "
+                        "certificate_from_caps()")
+    return branch
+
+
+class NormedUpdate(nn.Module):
+    """A normalized residual velocity ``F(N_in(x))`` (``"pre"``) or ``N_out(F(N_in(x)))`` (``"peri"``): ``(0, 0)``.
+
+    Args:
+        branch: the velocity ``F`` (a certified block).
+        d_model: width.
+        norm: ``"layer"`` or ``"rms"``.
+        placement: ``"pre"`` or ``"peri"``.
+        eps: the normalizations' ``eps``.
+        device, dtype: as for torch layers.
+
+    Submodules: ``norm`` (input), ``branch``, ``norm_out`` (``nn.Identity`` for ``"pre"``).
+    """
+
+    exponents: ClassVar[Exponents] = NORM
+
+    def __init__(self, branch: nn.Module, d_model: int, norm: str, placement: str = "pre", eps: float = 1e-5,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        self.placement = check_choice("placement", placement, _PLACEMENTS)
+        self.norm_kind = check_choice("norm", norm, _KINDS)
+        self.norm = make_norm(norm, d_model, eps, device, dtype)
+        self.branch = branch
+        self.norm_out = make_norm(norm, d_model, eps, device, dtype) if placement == "peri" else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm_out(self.branch(self.norm(x)))
+
+    def certificate(self, *, seq_len: Optional[int] = None, r0: Optional[float] = None) -> BlockCertificate:
+        """Certificate from the current weights (module docstring)."""
+        check_cert_args(seq_len, r0)
+        check_finite(self)
+        inner = self.branch.certificate(seq_len=seq_len)
+        a_in, _ = bounds.module_norm_bounds(self.norm)
+        a_out = g_out = None
+        if self.placement == "peri":
+            a_out, g_out = bounds.module_norm_bounds(self.norm_out)
+        return normalized_certificate(inner, placement=self.placement, kind=self.norm_kind, a_in=a_in,
+                                      inner_jacobian=bounds.prenorm_jacobian(self.norm, inner.jacobian_bound),
+                                      a_out=a_out, g_out=g_out)
+
+    def cap_slots(self) -> List[CapSlot]:
+        """The branch's slots and the normalizations' (``gamma_in``, ``beta_in``, ``gamma_out``, ``beta_out``)."""
+        slots = _enforceable(self.branch).cap_slots() + norm_cap_slots(self.norm, "in")
+        if self.placement == "peri":
+            slots += norm_cap_slots(self.norm_out, "out")
+        return slots
+
+    def certificate_from_caps(self, caps: Mapping[str, float], *, seq_len: Optional[int] = None) -> BlockCertificate:
+        """The certificate that holds while the branch's and the normalizations' tensors are within their caps."""
+        inner = _enforceable(self.branch).certificate_from_caps(caps, seq_len=seq_len)
+        a_in, g_in = norm_caps(self.norm, caps, "in")
+        a_out = g_out = None
+        if self.placement == "peri":
+            a_out, g_out = norm_caps(self.norm_out, caps, "out")
+        return normalized_certificate(inner, placement=self.placement, kind=self.norm_kind, a_in=a_in,
+                                      inner_jacobian=inner.jacobian_bound(a_in) * g_in, a_out=a_out, g_out=g_out)

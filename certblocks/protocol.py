@@ -1,0 +1,97 @@
+"""The block protocol: what every certified block promises, and what makes it enforceable.
+
+A *certified block* is an ``nn.Module`` velocity ``v`` (the stack adds ``X + dt * v(X)``) with
+
+* a class-level ``exponents`` (:class:`~certblocks.exponents.Exponents`), checked by the tests against what
+  the tracer derives from the block's own forward;
+* ``certificate(*, seq_len=None, r0=None) -> BlockCertificate``, computed from the current weights.  A block
+  whose bound depends on the sequence length (a scan sums over time) raises ``ValueError`` naming
+  ``seq_len`` when it is missing; ``r0`` is a scale at which a block may fold its bound most tightly (the
+  bound stays valid at every radius).
+
+An *enforceable block* is a certified block whose certificate is a monotone function of a few norms of its
+weights (operator norms of matrices or of their row blocks, Euclidean norms of biases, largest
+normalization scales).  It lists those tensors as :class:`CapSlot` s and computes a certificate from caps on
+them with the SAME function its ``certificate()`` uses (:meth:`EnforceableBlock.certificate_from_caps`):
+:func:`certblocks.enforce` caps the tensors by parametrizations and then that certificate holds for every
+parameter value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, List, Mapping, Optional, Protocol, Tuple, runtime_checkable
+
+from .certificate import BlockCertificate
+from .exponents import Exponents
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch import nn
+
+__all__ = ["CapSlot", "CertifiedBlock", "EnforceableBlock", "CAP_KINDS", "linear_cap_slots"]
+
+#: ``"matrix"``: spectral norm of each row block; ``"vector"``: Euclidean norm of each part; ``"clamp"``: the
+#: largest absolute entry (a normalization's scale).
+CAP_KINDS = ("matrix", "vector", "clamp")
+
+
+@dataclass(frozen=True)
+class CapSlot:
+    """One tensor whose norms a certificate reads, split in parts along dimension 0.
+
+    Attributes:
+        module: the module that owns the tensor.
+        name: the tensor's attribute name on ``module`` (``"weight"``, ``"bias"``).
+        kind: one of :data:`CAP_KINDS`.
+        sizes: the sizes of the parts along dimension 0 (a fused ``qkv`` projection has three).
+        keys: one name per part: the key under which :meth:`EnforceableBlock.certificate_from_caps` reads
+            the cap of that part.
+    """
+
+    module: nn.Module
+    name: str
+    kind: str
+    sizes: Tuple[int, ...]
+    keys: Tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if self.kind not in CAP_KINDS:
+            raise ValueError(f"kind must be one of {CAP_KINDS}, got {self.kind!r}")
+        if len(self.sizes) != len(self.keys):
+            raise ValueError(f"sizes {self.sizes} and keys {self.keys} differ in length")
+
+
+@runtime_checkable
+class CertifiedBlock(Protocol):
+    """A velocity with a certificate computed from its current weights (see the module docstring)."""
+
+    exponents: ClassVar[Exponents]
+
+    def certificate(self, *, seq_len: Optional[int] = None, r0: Optional[float] = None) -> BlockCertificate:
+        """The block's certificate from its current weights."""
+        ...
+
+
+@runtime_checkable
+class EnforceableBlock(CertifiedBlock, Protocol):
+    """A certified block whose certificate :func:`certblocks.enforce` can make hold for every weight."""
+
+    def cap_slots(self) -> List[CapSlot]:
+        """The tensors the certificate reads, with one key per part."""
+        ...
+
+    def certificate_from_caps(self, caps: Mapping[str, float], *, seq_len: Optional[int] = None) -> BlockCertificate:
+        """The certificate that holds whenever every part's norm is at most its cap (keys of :meth:`cap_slots`).
+
+        A key absent from ``caps`` is a part that does not exist (a bias-free layer): its norm is 0.
+        """
+        ...
+
+
+def linear_cap_slots(linear: nn.Module, sizes: Tuple[int, ...], weight_keys: Tuple[str, ...],
+                     bias_keys: Tuple[str, ...]) -> List[CapSlot]:
+    """The slots of an ``nn.Linear`` split in row blocks ``sizes``: its weight (``"matrix"``) and bias if any."""
+    slots = [CapSlot(linear, "weight", "matrix", tuple(sizes), tuple(weight_keys))]
+    if getattr(linear, "bias", None) is not None:
+        slots.append(CapSlot(linear, "bias", "vector", tuple(sizes), tuple(bias_keys)))
+    return slots
