@@ -13,7 +13,9 @@ from .. import exponents as E
 from ..bounds import fold_peak
 from ..certificate import BlockCertificate, Peak
 from .capture import CapturedGraph, capture
-from .interp import _CASTS, VelocityInterpreter, op_name
+from .interp import VelocityInterpreter
+from .nodes import CASTS as _CASTS
+from .nodes import op_name
 from ..bounds.poly import Poly
 from .report import NOT_DERIVED, ModelCertificate, TraceCertificate, node_row
 from .values import AValue
@@ -134,7 +136,7 @@ def _desc(g: CapturedGraph, it: VelocityInterpreter, n: Any, depth: int = 0) -> 
     short = t.split(".")[-1]
     mod = g.module_path(n)
     if n.name in it.atom_groups:
-        path, atom, inp, _, _ = it.atom_groups[n.name]
+        atom, inp = it.atom_groups[n.name].atom, it.atom_groups[n.name].input
         return f"{atom.name}({_desc(g, it, inp, depth + 1)})"
     if short in ("linear", "addmm", "mm", "matmul", "conv1d", "conv2d", "einsum", "bmm"):
         acts = [a for a in n.all_input_nodes if not (_av(it, a.name) and _av(it, a.name).const)]
@@ -196,11 +198,11 @@ def _culprit(g: CapturedGraph, it: VelocityInterpreter, out: torch.fx.Node) -> T
         best, best_ratio = None, 1.0
         for n in nodes:
             av = _av(it, n.name)
-            if av is None or av.const or av.J is None or n is it.x:
+            if av is None or av.const or av.jacobian is None or n is it.x:
                 continue
             deps = [_av(it, d) for d in av.deps if _av(it, d) is not None and not _av(it, d).const]
-            base = max([d.J.total() for d in deps if d.J is not None], default=1.0)
-            ratio = av.J.total() / base if base > 0 else 1.0
+            base = max([d.jacobian.total() for d in deps if d.jacobian is not None], default=1.0)
+            ratio = av.jacobian.total() / base if base > 0 else 1.0
             if ratio > best_ratio:
                 best, best_ratio = n, ratio
         if best is None:
@@ -271,7 +273,7 @@ def _logit_sigma(it: VelocityInterpreter, n: torch.fx.Node) -> Optional[float]:
         acts = [v.exps for v in (q, k) if not v.const]
         return E.product(*acts).sigma if acts else 0.0
     for d in (_av(it, d) for d in (_av(it, n.name).deps if _av(it, n.name) else ())):
-        if d is not None and d.stoch is not None:
+        if d is not None and d.stochastic_dim is not None:
             return d.exps.sigma
     return None
 
@@ -281,12 +283,12 @@ def _collapse(av: AValue) -> Tuple[float, float, float, float, bool]:
     c, b, l1, l0 = NOT_DERIVED, NOT_DERIVED, NOT_DERIVED, NOT_DERIVED
     ok = True
     try:
-        if q is not None and av.G is not None and av.G.is_finite():
-            c, b = av.G.collapse_growth(q)
+        if q is not None and av.growth is not None and av.growth.is_finite():
+            c, b = av.growth.collapse_growth(q)
         else:
             ok = False
-        if s is not None and av.J is not None and av.J.is_finite():
-            l1, l0 = av.J.collapse_jacobian(s)
+        if s is not None and av.jacobian is not None and av.jacobian.is_finite():
+            l1, l0 = av.jacobian.collapse_jacobian(s)
         else:
             ok = False
     except ValueError:
@@ -303,16 +305,16 @@ def _peak(g: CapturedGraph, it: VelocityInterpreter) -> Optional[Peak]:
         av = _av(it, n.name)
         if av is None or av.const:
             continue
-        if av.G is None or not av.G.is_finite():
+        if av.growth is None or not av.growth.is_finite():
             return None
-        polys.append((n.name, av.G))
+        polys.append((n.name, av.growth))
         if n.op == "call_function" and "scaled_dot_product" in op_name(n.target):
             q, k = _av(it, n.args[0].name), _av(it, n.args[1].name)
-            if q is None or k is None or q.G is None or k.G is None:
+            if q is None or k is None or q.growth is None or k.growth is None:
                 return None
             scale = n.kwargs.get("scale")
             s = max(1.0, float(scale)) if isinstance(scale, (int, float)) else 1.0
-            polys.append((f"query-key logits of {n.name}", (q.G * k.G).scale(s)))
+            polys.append((f"query-key logits of {n.name}", (q.growth * k.growth).scale(s)))
     if not polys:
         return None
     top = max(polys, key=lambda t: (t[1].degree, t[1].total()))

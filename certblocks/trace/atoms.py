@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
+from ..bounds.activations import activation
 from ..exponents import Exponents
 
 __all__ = ["Atom", "register_atom", "unregister_atom", "registered_atoms", "lookup_module_atom", "lookup_op_atom"]
@@ -142,29 +143,33 @@ def lookup_op_atom(op_name: str) -> Optional[Atom]:
 # ----------------------------------------------------------------------------------------------
 # Built-in module atoms: GELU written out with tanh / sigmoid (HF, timm).  The rules would read
 # 0.5 x (1 + tanh(a (x + b x^3))) as (1, 3); these activations are globally Lipschitz with
-# |phi(x)| <= |x|, so they are (1, 0) with c = 1 and Lip(phi) below.
-# Maximal slopes (checked numerically in tests/trace/test_ops.py): exact GELU 1.12890, tanh-GELU
-# 1.12899, x * sigmoid(a x) (QuickGELU, SiLU) 1.09984 -- all below 1.13.
-GELU_LIP = 1.13
+# |phi(x)| <= |x|, so they are (1, 0) with c = 1 and l0 the activation's Lipschitz constant, read
+# from certblocks.bounds.activations under the name of the function each module computes.
+_GELU_FAMILY: Dict[str, str] = {
+    "transformers.activations.NewGELUActivation": "gelu_tanh",
+    "transformers.activations.GELUActivation": "gelu",
+    "transformers.activations.GELUTanh": "gelu_tanh",
+    "transformers.activations.PytorchGELUTanh": "gelu_tanh",
+    "transformers.activations.FastGELUActivation": "gelu_tanh",
+    "transformers.activations.QuickGELUActivation": "quick_gelu",
+    "transformers.activations.AccurateGELUActivation": "gelu_tanh",
+    "timm.layers.activations.GELUTanh": "gelu_tanh",
+    "timm.layers.activations.GELU": "gelu",
+    "timm.layers.activations.QuickGELU": "quick_gelu",
+    "torch.nn.modules.activation.GELU": "gelu",  # "gelu_tanh" when built with approximate="tanh"
+}
 
 
-def _gelu_coefficients(module: Any, in_shape: Tuple[int, ...], out_shape: Tuple[int, ...]) -> Dict[str, float]:
-    return {"c": 1.0, "b": 0.0, "l1": 0.0, "l0": GELU_LIP}
+def _gelu_coefficients(name: str) -> CoefficientFn:
+    """Coefficients of an activation of the GELU family: ``|phi(y)| <= slope |y| + offset``, ``Lip(phi)``."""
+
+    def coefficients(module: Any, in_shape: Tuple[int, ...], out_shape: Tuple[int, ...]) -> Dict[str, float]:
+        act = activation("gelu_tanh" if getattr(module, "approximate", "none") == "tanh" else name)
+        offset = act.offset * math.sqrt(out_shape[-1] if out_shape else 1)
+        return {"c": act.slope, "b": offset, "l1": 0.0, "l0": act.lipschitz}
+
+    return coefficients
 
 
-for _name in (
-    "transformers.activations.NewGELUActivation",
-    "transformers.activations.GELUActivation",
-    "transformers.activations.GELUTanh",
-    "transformers.activations.PytorchGELUTanh",
-    "transformers.activations.FastGELUActivation",
-    "transformers.activations.QuickGELUActivation",
-    "transformers.activations.AccurateGELUActivation",
-    "timm.layers.activations.GELUTanh",
-    "timm.layers.activations.GELU",
-    "timm.layers.activations.QuickGELU",
-    "torch.nn.modules.activation.GELU",
-):
-    register_atom(_name, (1.0, 0.0), coefficients=_gelu_coefficients, name="GELU", kind="module")
-
-_ = math  # keep the import for type checkers of coefficient callbacks
+for _name, _activation in _GELU_FAMILY.items():
+    register_atom(_name, (1.0, 0.0), coefficients=_gelu_coefficients(_activation), name="GELU", kind="module")

@@ -197,5 +197,6 @@ def _jsonable(x: Any) -> Any:
 
 
 def node_row(node: Any, av: AValue, module: str, op: str) -> NodeRow:
-    return NodeRow(node.name, op, module, av.exps.q, av.exps.sigma, av.rule, repr(av.G) if av.G is not None else "?",
-                   repr(av.J) if av.J is not None else "?", av.bad)
+    return NodeRow(node.name, op, module, av.exps.q, av.exps.sigma, av.rule,
+                   repr(av.growth) if av.growth is not None else "?",
+                   repr(av.jacobian) if av.jacobian is not None else "?", av.bad)

@@ -1,37 +1,47 @@
 """Abstract values: what the tracer knows about one tensor of a velocity's graph.
 
 For a velocity ``v`` with input ``x`` (per-token norm ``||x||``, THEORY.md section 1), every
-intermediate tensor ``t`` gets an :class:`AValue`:
+intermediate tensor ``t`` gets an :class:`AValue`.  Its bounds are
+:class:`~certblocks.bounds.poly.Poly` in the radius ``r = ||x||``:
 
-* ``exps`` -- the growth exponents ``(q, sigma)`` of ``x -> t`` by the rules of THEORY.md section 2;
-* ``G`` -- a :class:`~certblocks.trace.poly.Poly` with ``N(t) <= G(||x||)``;
-* ``M`` -- a Poly with ``max |t_i| <= M(||x||)``;
-* ``J`` -- a Poly with ``||dt/dx|| <= J(R)`` on the ball ``||x|| <= R``;
-* ``sign`` -- ``"+"`` (every entry >= 0), ``"-"`` (every entry <= 0), ``"0"`` or ``None`` (unknown).
+==================  ==========================================================================
+field               meaning
+==================  ==========================================================================
+``exps``            growth exponents ``(q, sigma)`` of ``x -> t`` by the rules of THEORY.md section 2
+``shape``           the tensor's shape
+``growth``          ``N(t) <= growth(||x||)``: bound of the row norm (``None``: not derived)
+``max_abs``         ``max_i |t_i| <= max_abs(||x||)``: bound of every entry (``None``: not derived)
+``jacobian``        ``||dt/dx|| <= jacobian(R)`` on the ball ``||x|| <= R`` (``None``: not derived)
+``sign``            ``"+"`` (every entry >= 0), ``"-"`` (every entry <= 0), ``"0"`` or ``None`` (unknown)
+``const``           the tensor does not depend on ``x``
+``value``           the concrete tensor of a constant (``None`` otherwise)
+``stochastic_dim``  the (negative) dimension along which ``t`` is row-stochastic (entries >= 0, sum 1)
+``rule``            the rule that produced the value (reports)
+``deps``            names of the input-dependent nodes it was computed from
+``bad``             why this node is outside the certified class (only on the node responsible)
+==================  ==========================================================================
 
 ``N(t)`` is the *row norm*: the largest Euclidean norm of ``t`` along its last dimension
 (over all leading indices).  For the velocity's input and output of shape
 ``(..., tokens, features)`` it is the per-token norm of the certificate; the Jacobian norms are
-operator norms induced by the row norms of input and output.  ``G``, ``M`` or ``J`` is ``None``
-when no bound was derived.
+operator norms induced by the row norms of input and output.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from ..exponents import CONSTANT, Exponents
 from ..bounds.poly import Poly
+from ..exponents import CONSTANT, Exponents
 
-__all__ = ["AValue", "row_norm", "max_abs", "sign_of"]
+__all__ = ["AValue", "ConstAValue", "row_norm", "max_abs", "sign_of"]
 
 
 def row_norm(t: torch.Tensor) -> float:
-    """Largest Euclidean norm along the last dimension (``|t|`` for a 0-d tensor)."""
+    """Largest Euclidean norm along the last dimension (``|t|`` for a 0-d tensor), in float64."""
     t = t.detach()
     if t.is_complex():
         t = t.abs()
@@ -44,6 +54,7 @@ def row_norm(t: torch.Tensor) -> float:
 
 
 def max_abs(t: torch.Tensor) -> float:
+    """Largest absolute entry (``0`` for an empty tensor)."""
     t = t.detach()
     if t.numel() == 0:
         return 0.0
@@ -51,6 +62,7 @@ def max_abs(t: torch.Tensor) -> float:
 
 
 def sign_of(t: torch.Tensor) -> Optional[str]:
+    """``"+"``, ``"-"``, ``"0"`` when every entry is >= 0, <= 0 or 0; ``None`` otherwise (or with a NaN)."""
     t = t.detach()
     if t.is_complex() or t.numel() == 0:
         return None if t.numel() else "0"
@@ -71,33 +83,29 @@ def sign_of(t: torch.Tensor) -> Optional[str]:
     return None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class AValue:
-    """Abstract value of one tensor (see the module docstring)."""
+    """Abstract value of one tensor (the fields are tabled in the module docstring)."""
 
     exps: Exponents
-    G: Optional[Poly]
-    M: Optional[Poly]
-    J: Optional[Poly]
     shape: Tuple[int, ...]
+    growth: Optional[Poly] = None
+    max_abs: Optional[Poly] = None
+    jacobian: Optional[Poly] = None
     sign: Optional[str] = None
     const: bool = False
     value: Optional[torch.Tensor] = None
-    stoch: Optional[int] = None  # row-stochastic (entries >= 0, sum 1) along this dim
+    stochastic_dim: Optional[int] = None
     rule: str = ""
     deps: Tuple[str, ...] = field(default_factory=tuple)
-    bad: str = ""  # why this node is outside the class (only on the node responsible)
-
-    @property
-    def last(self) -> int:
-        return self.shape[-1] if self.shape else 1
+    bad: str = ""
 
     @property
     def ndim(self) -> int:
         return len(self.shape)
 
     @classmethod
-    def constant(cls, value: torch.Tensor, rule: str = "constant") -> AValue:
+    def constant(cls, value: Any, rule: str = "constant") -> AValue:
         """A value that does not depend on the input; norms and sign are computed on first use."""
         if not isinstance(value, torch.Tensor):
             value = torch.as_tensor(value)
@@ -105,20 +113,12 @@ class AValue:
 
     @classmethod
     def unknown(cls, shape: Tuple[int, ...], rule: str, bad: str = "", deps: Tuple[str, ...] = ()) -> AValue:
-        return cls(Exponents(None, None), None, None, None, tuple(shape), None, False, None, None, rule, deps, bad)
+        """A value with unknown exponents and no bound (``bad`` says why, on the node responsible)."""
+        return cls(exps=Exponents(None, None), shape=tuple(shape), rule=rule, deps=tuple(deps), bad=bad)
 
-    def M_or_G(self) -> Optional[Poly]:
-        return self.M if self.M is not None else self.G
-
-    def describe_bounds(self) -> str:
-        return f"N<={self.G!r}, J<={self.J!r}"
-
-    def finite(self) -> bool:
-        return all(p is None or p.is_finite() for p in (self.G, self.J))
-
-
-def _is_finite_number(x: float) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
+    def entry_bound(self) -> Optional[Poly]:
+        """A bound of every entry: :attr:`max_abs` when derived, else :attr:`growth` (a row norm bounds its entries)."""
+        return self.max_abs if self.max_abs is not None else self.growth
 
 
 class ConstAValue(AValue):
@@ -126,28 +126,31 @@ class ConstAValue(AValue):
 
     def __init__(self, value: torch.Tensor, rule: str = "constant") -> None:
         self.exps = CONSTANT
-        self.J = Poly.ZERO
+        self.jacobian = Poly.ZERO
         self.shape = tuple(value.shape)
         self.const = True
         self.value = value
-        self.stoch = None
+        self.stochastic_dim = None
         self.rule = rule
         self.deps = ()
         self.bad = ""
-        self._cache: dict = {}
+        self._cache: Dict[str, Any] = {}
 
-    def _get(self, key: str):
+    def _get(self, key: str) -> Any:
         if key not in self._cache:
             v = self.value
-            if key == "G":
+            if key == "growth":
                 self._cache[key] = Poly.const(row_norm(v if (v.is_floating_point() or v.is_complex())
                                                        else v.double()))
-            elif key == "M":
+            elif key == "max_abs":
                 self._cache[key] = Poly.const(max_abs(v.double() if v.dtype == torch.bool else v))
             else:
                 self._cache[key] = sign_of(v)
         return self._cache[key]
 
-    G = property(lambda self: self._get("G"), lambda self, v: self._cache.__setitem__("G", v))  # type: ignore
-    M = property(lambda self: self._get("M"), lambda self, v: self._cache.__setitem__("M", v))  # type: ignore
-    sign = property(lambda self: self._get("sign"), lambda self, v: self._cache.__setitem__("sign", v))  # type: ignore
+    growth = property(lambda self: self._get("growth"),  # type: ignore[assignment]
+                      lambda self, v: self._cache.__setitem__("growth", v))
+    max_abs = property(lambda self: self._get("max_abs"),  # type: ignore[assignment]
+                       lambda self, v: self._cache.__setitem__("max_abs", v))
+    sign = property(lambda self: self._get("sign"),  # type: ignore[assignment]
+                    lambda self, v: self._cache.__setitem__("sign", v))

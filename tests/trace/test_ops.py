@@ -142,22 +142,36 @@ def test_x_over_norm_without_eps():
 
 
 def test_activation_lipschitz_constants():
-    """The Lipschitz constants used by the rules and atoms bound the true slopes."""
-    from certblocks.trace.atoms import GELU_LIP
-    from certblocks.trace.interp import _LIPSCHITZ
+    """The activation constants the rules and atoms read from certblocks.bounds bound the true slopes."""
+    import importlib
+
+    from certblocks.bounds import activation
+    from certblocks.trace import registered_atoms
 
     x = torch.linspace(-12, 12, 400001, dtype=torch.float64, requires_grad=True)
-    fns = {"aten.gelu": F.gelu, "aten.silu": F.silu, "aten.mish": F.mish, "aten.hardswish": F.hardswish}
+    fns = {"gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu, "mish": F.mish,
+           "hardswish": F.hardswish, "quick_gelu": lambda t: t * torch.sigmoid(1.702 * t)}
     for name, f in fns.items():
         y = f(x)
         (g,) = torch.autograd.grad(y.sum(), x)
         y = y.detach()
-        lip, slope, a0, _ = _LIPSCHITZ[name]
-        assert float(g.abs().max()) <= lip
-        assert float((y.abs() - slope * x.detach().abs() - a0).max()) <= 1e-12
-    for f in (lambda t: F.gelu(t, approximate="tanh"), lambda t: t * torch.sigmoid(1.702 * t)):
-        y = f(x)
+        act = activation(name)
+        assert float(g.abs().max()) <= act.lipschitz, name
+        assert float((y.abs() - act.slope * x.detach().abs() - act.offset).max()) <= 1e-12, name
+    # each GELU-family module atom: its coefficients bound the function its module computes
+    modules = [nn.GELU(approximate="tanh")]
+    for key, atom in registered_atoms().items():
+        if atom.kind != "module" or atom.name != "GELU":
+            continue
+        path, cls = key.rsplit(".", 1)
+        try:
+            modules.append(getattr(importlib.import_module(path), cls)())
+        except (ImportError, AttributeError):  # optional package, or a class this version does not have
+            continue
+    for module in modules:
+        atom = registered_atoms()[f"{type(module).__module__}.{type(module).__qualname__}"]
+        co = atom.coefficients(module, (1, 3, D), (1, 3, D))
+        y = module(x)
         (g,) = torch.autograd.grad(y.sum(), x)
-        y = y.detach()
-        assert float(g.abs().max()) <= GELU_LIP
-        assert float((y.abs() - x.detach().abs()).max()) <= 1e-12
+        assert float(g.abs().max()) <= co["l0"], type(module).__name__
+        assert float((y.detach().abs() - co["c"] * x.detach().abs()).max()) <= 1e-12, type(module).__name__

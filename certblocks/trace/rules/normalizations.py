@@ -1,0 +1,360 @@
+"""Normalization rules: layer/RMS/group/batch norm, and the recognizer of normalizations written out.
+
+A normalization is a primitive at ``(0, 0)`` (THEORY.md section 2): ``N o B`` is at ``(0, sigma_B)``
+whatever ``B``'s growth.  LayerNorm and RMSNorm read their output and Jacobian bounds from
+:func:`certblocks.bounds.normalization.norm_bounds`.  :func:`recognize_norm` finds the same map written
+with elementary ops (``x * rsqrt(mean(x^2) + eps)``, ``x / sqrt(var + eps)`` after centring,
+``x / max(||x||, eps)``, ``x / ||x||``), which the product and division rules would otherwise read as
+outside the class.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple
+
+import torch
+
+from ... import exponents as E
+from ...bounds.normalization import norm_bounds
+from ...bounds.poly import Poly
+from ..nodes import bind_args, is_same, op_name, strip_casts, target_name
+from ..values import AValue, max_abs
+from .common import unknown
+from .registry import register_rule
+
+if TYPE_CHECKING:
+    from ..interp import VelocityInterpreter
+
+__all__ = ["norm_value", "recognize_norm"]
+
+Args = Dict[str, Any]
+Shape = Tuple[int, ...]
+
+
+def norm_value(x: AValue, shape: Sequence[int], bound: float, jac: float, name: str,
+               deps: Tuple[str, ...] = ()) -> AValue:
+    """A normalization of ``x``: every row norm below ``bound``, Jacobian ``jac`` times ``x``'s."""
+    return AValue(exps=E.normalize(x.exps), shape=shape, growth=Poly.const(bound), max_abs=Poly.const(bound),
+                  jacobian=None if x.jacobian is None else x.jacobian.scale(jac), rule=f"normalization {name}",
+                  deps=tuple(deps))
+
+
+def _worst_row(t: torch.Tensor) -> torch.Tensor:
+    """The row (last dimension) of ``t`` with the largest Euclidean norm."""
+    if t.dim() <= 1:
+        return t
+    rows = t.reshape(-1, t.shape[-1])
+    return rows[int(torch.linalg.vector_norm(rows.double(), dim=-1).argmax())]
+
+
+@register_rule("aten.layer_norm", "aten.native_layer_norm")
+def layer_norm(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> Any:
+    x, w, b, eps = a["input"], a.get("weight"), a.get("bias"), float(a.get("eps", 1e-5))
+    for p in (w, b):
+        if isinstance(p, AValue) and not p.const:
+            return unknown(shape, "layer_norm with input-dependent affine parameters")
+    if eps <= 0:
+        return unknown(shape, "layer_norm with eps <= 0 (Jacobian unbounded)")
+    # a row of the output is part of one normalized group: its norm is at most g sqrt(numel) plus its bias row
+    bound, jac = norm_bounds("layer", w.value if isinstance(w, AValue) else None,
+                             _worst_row(b.value) if isinstance(b, AValue) else None, eps,
+                             numel=math.prod(a["normalized_shape"]), d=shape[-1])
+    out = norm_value(x, shape, bound, jac, "(LayerNorm)")
+    if op_name(n.target) == "aten.native_layer_norm":
+        conc = it.g.env[n.name]
+        return [out, AValue.unknown(tuple(conc[1].shape), "layer_norm mean"),
+                AValue.unknown(tuple(conc[2].shape), "layer_norm rstd")]
+    return out
+
+
+@register_rule("aten.rms_norm")
+def rms_norm(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
+    x, w, eps = a["input"], a.get("weight"), a.get("eps")
+    if isinstance(w, AValue) and not w.const:
+        return unknown(shape, "rms_norm with an input-dependent weight")
+    if eps is None:
+        eps = torch.finfo(it.g.env[n.name].dtype).eps
+    eps = float(eps)
+    if eps <= 0:
+        return unknown(shape, "rms_norm with eps <= 0")
+    bound, jac = norm_bounds("rms", w.value if isinstance(w, AValue) else None, None, eps,
+                             numel=math.prod(a["normalized_shape"]), d=shape[-1])
+    return norm_value(x, shape, bound, jac, "(RMSNorm)")
+
+
+@register_rule("aten.group_norm")
+def group_norm(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
+    x, w, b = a["input"], a.get("weight"), a.get("bias")
+    groups, eps = int(a["num_groups"]), float(a.get("eps", 1e-5))
+    if eps <= 0:
+        return unknown(shape, "group_norm with eps <= 0")
+    channels = x.shape[1]
+    group_numel = (channels // groups) * int(torch.tensor(x.shape[2:]).prod()) if x.ndim > 2 else channels // groups
+    gmax = max_abs(w.value) if isinstance(w, AValue) else 1.0
+    bmax = max_abs(b.value) if isinstance(b, AValue) else 0.0
+    bound = gmax * math.sqrt(groups * group_numel) + bmax * math.sqrt(shape[-1])
+    jac = gmax / math.sqrt(eps) * math.sqrt(groups * group_numel)
+    return norm_value(x, shape, bound, jac, "(GroupNorm)")
+
+
+@register_rule("aten.batch_norm", "aten._native_batch_norm_legit_no_training", "aten.native_batch_norm",
+               "aten._native_batch_norm_legit", "aten.instance_norm")
+def batch_norm(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> Any:
+    """In eval mode batch_norm uses running statistics: an affine map per channel, not a normalization."""
+    x = a["input"]
+    training = a.get("training", a.get("use_input_stats", False))
+    name = op_name(n.target)
+    if name == "aten._native_batch_norm_legit_no_training":
+        training = False
+    if training:
+        return unknown(shape, f"{name} with batch statistics: normalizes over the batch, not per sample")
+    w, b, rm, rv = a.get("weight"), a.get("bias"), a.get("running_mean"), a.get("running_var")
+    eps = float(a.get("eps", 1e-5))
+    for p in (w, b, rm, rv):
+        if isinstance(p, AValue) and not p.const:
+            return unknown(shape, "batch_norm with input-dependent statistics")
+    channels = x.shape[1]
+    ones, zeros = torch.ones(channels, dtype=torch.float64), torch.zeros(channels, dtype=torch.float64)
+    var = rv.value.double() if isinstance(rv, AValue) else ones
+    mean = rm.value.double() if isinstance(rm, AValue) else zeros
+    g = w.value.double() if isinstance(w, AValue) else ones
+    beta = b.value.double() if isinstance(b, AValue) else zeros
+    scale = g / torch.sqrt(var + eps)
+    shift = beta - mean * scale
+    s = float(scale.abs().max()) * (1 + 1e-9)
+    sh = float(shift.abs().max())
+    conc = it.g.env.get(n.name)
+    if isinstance(conc, (tuple, list)):
+        shape = tuple(conc[0].shape)
+    growth = None if x.growth is None else x.growth.scale(s) + Poly.const(sh * math.sqrt(shape[-1]))
+    out = AValue(exps=x.exps, shape=shape, growth=growth, max_abs=growth,
+                 jacobian=None if x.jacobian is None else x.jacobian.scale(s),
+                 rule="affine (batch_norm in eval mode uses running statistics: an affine map, not a normalization)")
+    if name != "aten.batch_norm":
+        return [out] + [AValue.constant(c) for c in it.g.env[n.name][1:]]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- recognizer
+def _const_scalar(it: VelocityInterpreter, x: Any) -> Optional[float]:
+    """The value of a Python number or of a constant tensor whose entries are all equal (``None`` otherwise)."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return float(x)
+    if isinstance(x, torch.fx.Node):
+        v = it.values.get(x.name)
+        if v is not None and not v.const:
+            return None
+        c = it.g.env.get(x.name)
+        if isinstance(c, torch.Tensor) and c.numel() >= 1:
+            if bool((c == c.reshape(-1)[0]).all()):
+                return float(c.reshape(-1)[0])
+    return None
+
+
+def _sum_of_squares(it: VelocityInterpreter, n: Any, a: Any, any_dim: bool = False) -> Optional[float]:
+    """If ``n`` is mean/sum over the last dim (keepdim) of a^2, return 1/d or 1 (the k in k |a|^2).
+
+    With ``any_dim`` the reduction may run over any single dimension; :func:`_norm_dim` tells which.
+    """
+    n = strip_casts(n)
+    t = target_name(n)
+    if t not in ("aten.mean", "aten.sum"):
+        return None
+    sq = strip_casts(n.args[0])
+    st = target_name(sq)
+    ok = (st in ("aten.pow",) and len(sq.args) > 1 and sq.args[1] == 2 and is_same(sq.args[0], a)) or \
+         (st == "aten.square" and is_same(sq.args[0], a)) or \
+         (st == "aten.mul" and is_same(sq.args[0], a) and is_same(sq.args[1], a))
+    if not ok:
+        return None
+    base = strip_casts(a)
+    aval = it.g.env[base.name] if isinstance(base, torch.fx.Node) else None
+    if aval is None:
+        return None
+    nd = aval.dim()
+    dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+    keep = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
+    if dims is None or len(dims) != 1 or not keep or (not any_dim and int(dims[0]) % nd != nd - 1):
+        return None
+    return 1.0 / aval.shape[int(dims[0]) % nd] if t == "aten.mean" else 1.0
+
+
+def _norm_dim(it: VelocityInterpreter, den: Any, a: Any) -> Optional[int]:
+    """The dimension a recognized ``rsqrt(k |a|^2 + eps)`` denominator reduces over (None if not that form)."""
+    den = strip_casts(den)
+    if target_name(den) != "aten.rsqrt":
+        return None
+    inner = strip_casts(den.args[0])
+    if target_name(inner) != "aten.add":
+        return None
+    for s in inner.args[:2]:
+        s = strip_casts(s)
+        if isinstance(s, torch.fx.Node) and _sum_of_squares(it, s, a, any_dim=True) is not None:
+            dims = s.args[1] if len(s.args) > 1 else s.kwargs.get("dim")
+            return int(dims[0]) % it.g.env[strip_casts(a).name].dim()
+    return None
+
+
+def _var_of(it: VelocityInterpreter, n: Any, a: Any) -> Optional[float]:
+    """var(y, last, keepdim) where a = y - mean(y, last, keepdim): returns 1/(d - correction) (k |a|^2)."""
+    n = strip_casts(n)
+    if target_name(n) != "aten.var":
+        return None
+    a = strip_casts(a)
+    if target_name(a) != "aten.sub":
+        return None
+    y, m = a.args[0], strip_casts(a.args[1])
+    if target_name(m) != "aten.mean" or not is_same(m.args[0], y) or not is_same(n.args[0], y):
+        return None
+    mb = bind_args(m) or {}
+    yv = it.g.env[strip_casts(y).name]
+    nd = yv.dim()
+    if mb.get("dim") is None or [int(d) % nd for d in mb["dim"]] != [nd - 1] or not mb.get("keepdim", False):
+        return None  # the centring must be over the normalized (last) dimension
+    b = bind_args(n) or {}
+    corr = b.get("correction")
+    unbiased = b.get("unbiased")
+    dims = b.get("dim")
+    if dims is None or [int(d) % nd for d in dims] != [nd - 1] or not b.get("keepdim", False):
+        return None
+    d = yv.shape[-1]
+    if corr is not None:
+        c = float(corr)
+    elif unbiased is None or unbiased:
+        c = 1.0
+    else:
+        c = 0.0
+    if d - c <= 0:
+        return None
+    return 1.0 / (d - c)
+
+
+def _is_last_dim_l2_norm(it: VelocityInterpreter, n: Any, a: Any) -> bool:
+    """``n`` is ``||a||_2`` over the last dimension with ``keepdim``."""
+    if target_name(n) not in ("aten.linalg_vector_norm", "aten.norm") or not is_same(n.args[0], a):
+        return False
+    b = bind_args(n) or {}
+    ordv = b.get("ord", b.get("p", 2))
+    nd = it.g.env[strip_casts(a).name].dim()
+    dims = b.get("dim")
+    return (ordv in (None, 2, 2.0)) and dims is not None and [int(d) % nd for d in dims] == [nd - 1] \
+        and bool(b.get("keepdim", False))
+
+
+def _denominator_k_eps(it: VelocityInterpreter, den: Any, a: Any,
+                       inverse: bool) -> Optional[Tuple[float, float, bool]]:
+    """Recognize a denominator sqrt(k |a|^2 + eps) (or ||a|| + eps, max(||a||, eps)).
+
+    Returns (k, eps, sqrt_form) or None.  ``inverse`` asks for rsqrt(...) (a multiplier).
+    """
+    den = strip_casts(den)
+    t = target_name(den)
+    if inverse:
+        if t == "aten.reciprocal":
+            return _denominator_k_eps(it, den.args[0], a, False)
+        if t != "aten.rsqrt":
+            return None
+        inner = strip_casts(den.args[0])
+    elif t in ("aten.linalg_vector_norm", "aten.norm"):
+        return (1.0, 0.0, False) if _is_last_dim_l2_norm(it, den, a) else None  # x / ||x|| without eps
+    elif t == "aten.sqrt":
+        inner = strip_casts(den.args[0])
+    elif t in ("aten.clamp_min", "aten.clamp", "aten.add", "aten.maximum"):
+        base = strip_casts(den.args[0])
+        if t == "aten.clamp":
+            eps = _const_scalar(it, den.args[1] if len(den.args) > 1 else den.kwargs.get("min"))
+        else:
+            eps = _const_scalar(it, den.args[1])
+        if eps is None or eps <= 0:
+            return None
+        if _is_last_dim_l2_norm(it, base, a):
+            return (1.0, eps, False)
+        if t == "aten.add" and target_name(base) == "aten.sqrt":
+            k = _sum_of_squares(it, base.args[0], a)
+            if k is not None:
+                return (k, eps, False)
+        return None
+    else:
+        return None
+    if target_name(inner) != "aten.add":
+        return None
+    eps = _const_scalar(it, inner.args[1])
+    s = inner.args[0]
+    if eps is None:
+        eps, s = _const_scalar(it, inner.args[0]), inner.args[1]
+    if eps is None or eps <= 0:
+        return None
+    k = _sum_of_squares(it, s, a, any_dim=inverse)
+    if k is None:
+        k = _var_of(it, s, a)
+    if k is None:
+        return None
+    return (k, eps, True)
+
+
+def _candidates(it: VelocityInterpreter, pairs: Sequence[Tuple[Any, Any]]) -> list:
+    """``(numerator, denominator, scale)`` triples: each pair, and ``(a, den, |c|)`` for a numerator ``c * a``."""
+    out = []
+    for a, den in pairs:
+        out.append((a, den, 1.0))
+        # (c * a) / N(a) with a constant c: the normalization of a, scaled by max|c|
+        a0 = strip_casts(a)
+        if target_name(a0) == "aten.mul":
+            for i in (0, 1):
+                c, other = a0.args[i], a0.args[1 - i]
+                cv = _const_scalar(it, c) if not isinstance(c, torch.fx.Node) else None
+                if isinstance(c, torch.fx.Node):
+                    v = it.values.get(c.name)
+                    if (v is None or v.const) and isinstance(it.g.env.get(c.name), torch.Tensor):
+                        cv = max_abs(it.g.env[c.name])
+                if cv is not None:
+                    out.append((other, den, abs(cv)))
+    return out
+
+
+def recognize_norm(it: VelocityInterpreter, n: torch.fx.Node, shape: Sequence[int]) -> Optional[AValue]:
+    """x * rsqrt(mean(x^2) + eps), x / sqrt(...), x / max(||x||, eps), centred variants -> (0, sigma_x)."""
+    t = target_name(n)
+    if t == "aten.mul":
+        pairs, inverse = [(n.args[0], n.args[1]), (n.args[1], n.args[0])], True
+    elif t == "aten.div":
+        pairs, inverse = [(n.args[0], n.args[1])], False
+    else:
+        return None
+    for a, den, cscale in _candidates(it, pairs):
+        if not isinstance(a, torch.fx.Node) or not isinstance(den, torch.fx.Node):
+            continue
+        r = _denominator_k_eps(it, den, a, inverse)
+        if r is None:
+            continue
+        base = strip_casts(a)
+        if cscale != 1.0 and tuple(it.g.env[base.name].shape)[-1:] != tuple(shape[-1:]):
+            continue
+        k, eps, sqrt_form = r
+        av = it.values.get(base.name) or it.value(a)
+        if av.const:
+            continue
+        # |a / sqrt(k|a|^2 + eps)| <= 1/sqrt(k), Jacobian <= 1/sqrt(eps); |a/max(|a|,eps)| <= 1, Jac <= 1/eps
+        bound = cscale / math.sqrt(k)
+        if eps == 0:
+            # x / ||x||: bounded (q = 0) but its Jacobian 1/||x|| is unbounded at 0 -- l0 is not derived
+            out = norm_value(av, tuple(shape), bound, 1.0, "written out (x / ||x|| without eps, recognized; "
+                             "Jacobian unbounded at 0: l0 not derived)", deps=(base.name,))
+            out.jacobian = None
+            return out
+        jac = (1.0 / math.sqrt(eps) if sqrt_form else 1.0 / eps) * cscale
+        nd = len(shape)
+        dim = _norm_dim(it, den, a) if inverse else None
+        if dim is not None and nd and dim != nd - 1:
+            # Normalized along dim (not the last): every entry is <= bound, a row (last dim) is
+            # <= sqrt(n_last) * bound; a perturbation's column along dim is <= sqrt(n_dim) times
+            # its row norm, and the column map is 1/sqrt(eps)-Lipschitz.
+            n_last, n_dim = shape[-1], shape[dim]
+            out = norm_value(av, tuple(shape), bound * math.sqrt(n_last), jac * math.sqrt(n_dim * n_last),
+                             f"written out (x / ||x|| along dim {dim}, recognized)", deps=(base.name,))
+            out.max_abs = Poly.const(bound)
+            return out
+        return norm_value(av, tuple(shape), bound, jac, "written out (x / ||x|| form, recognized)",
+                          deps=(base.name,))
+    return None

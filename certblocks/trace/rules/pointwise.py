@@ -1,0 +1,210 @@
+"""Pointwise rules: activations, clamps, ``exp``, powers, and the entrywise ops outside the class.
+
+The activation constants (Lipschitz constants, saturation levels, growth slopes and offsets, signs) are
+read from :mod:`certblocks.bounds.activations`; the rules add the ones that depend on an op's arguments
+(``softplus``'s ``beta``, ``elu``'s ``alpha``, a clamp's range).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple
+
+import torch
+
+from ... import exponents as E
+from ...bounds.activations import activation
+from ...bounds.poly import Poly
+from ..nodes import op_name
+from ..values import AValue, max_abs
+from .common import first_tensor, flip_sign, scaled, sqrt_last, unknown
+from .registry import register_rule
+
+if TYPE_CHECKING:
+    from ..interp import VelocityInterpreter
+
+__all__ = ["lipschitz_value", "saturating_value"]
+
+Args = Dict[str, Any]
+Shape = Tuple[int, ...]
+
+#: Globally Lipschitz activations with ``|phi(z)| <= slope |z| + offset`` (their aten names; constants in bounds).
+LIPSCHITZ_ACTIVATIONS = ("relu", "gelu", "silu", "mish", "hardswish", "abs", "neg", "positive")
+#: Bounded activations (``|phi| <= saturation``).
+SATURATING_ACTIVATIONS = ("sigmoid", "tanh", "hardsigmoid", "sin", "cos", "erf", "softsign")
+
+# torch's SELU constants (the definition of the op, not bounds)
+_SELU_ALPHA, _SELU_SCALE = 1.6732632423543772, 1.0507009873554805
+
+
+def lipschitz_value(x: AValue, shape: Sequence[int], lip: float, slope: float, offset: float, sign: Optional[str],
+                    name: str) -> AValue:
+    """``phi(x)`` for a ``lip``-Lipschitz ``phi`` with ``|phi(z)| <= slope |z| + offset`` entrywise."""
+    entries = x.entry_bound()
+    return AValue(exps=E.compose(E.LIPSCHITZ, x.exps), shape=shape,
+                  growth=None if x.growth is None else x.growth.scale(slope) + Poly.const(offset * sqrt_last(shape)),
+                  max_abs=None if entries is None else entries.scale(slope) + Poly.const(offset),
+                  jacobian=None if x.jacobian is None else x.jacobian.scale(lip),
+                  sign=sign, rule=f"Lipschitz activation {name}")
+
+
+def saturating_value(x: AValue, shape: Sequence[int], level: float, lip: float, sign: Optional[str],
+                     name: str) -> AValue:
+    """``phi(x)`` for a ``lip``-Lipschitz ``phi`` with ``|phi| <= level``."""
+    return AValue(exps=E.compose(E.SATURATING, x.exps), shape=shape, growth=Poly.const(level * sqrt_last(shape)),
+                  max_abs=Poly.const(level), jacobian=None if x.jacobian is None else x.jacobian.scale(lip),
+                  sign=sign, rule=f"saturating activation {name}")
+
+
+@register_rule(*(f"aten.{name}" for name in LIPSCHITZ_ACTIVATIONS))
+def lipschitz_activation(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
+    x = first_tensor(a)
+    name = op_name(n.target).split(".")[-1]
+    table_name = name
+    if name == "gelu":
+        approximate = a.get("approximate", "none")
+        if approximate not in ("none", "tanh"):
+            return unknown(shape, f"gelu approximate={approximate!r}")
+        table_name = "gelu_tanh" if approximate == "tanh" else "gelu"
+    act = activation(table_name)
+    sign = flip_sign(x.sign) if name == "neg" else act.sign
+    return lipschitz_value(x, shape, act.lipschitz, act.slope, act.offset, sign, name)
+
+
+@register_rule(*(f"aten.{name}" for name in SATURATING_ACTIVATIONS))
+def saturating_activation(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
+    name = op_name(n.target).split(".")[-1]
+    act = activation(name)
+    return saturating_value(first_tensor(a), shape, act.saturation, act.lipschitz, act.sign, name)
+
+
+@register_rule("aten.softplus")
+def softplus(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
+    x = a["self"]
+    beta = float(a.get("beta", 1.0) or 1.0)
+    if beta <= 0:
+        return unknown(shape, f"softplus with beta={beta}")
+    # softplus_beta(x) = softplus(beta x) / beta: the same slopes, the offset divided by beta
+    act = activation("softplus")
+    return lipschitz_value(x, shape, act.lipschitz, act.slope, act.offset / beta, act.sign, "softplus")
+
+
+@register_rule("aten.elu", "aten.celu", "aten.selu")
+def elu(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
+    x = first_tensor(a)
+    alpha = float(a.get("alpha", 1.0) or 1.0)
+    scale = float(a.get("scale", 1.0) or 1.0)
+    if op_name(n.target) == "aten.selu":
+        alpha, scale = _SELU_ALPHA, _SELU_SCALE
+    lip = scale * max(1.0, alpha)  # slopes scale * alpha e^z (z < 0) and scale (z > 0)
+    return lipschitz_value(x, shape, lip, lip, 0.0, None, "elu")
+
+
+@register_rule("aten.leaky_relu", "aten.rrelu")
+def leaky_relu(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
+    x = first_tensor(a)
+    s = abs(float(a.get("negative_slope", a.get("upper", 0.01)) or 0.01))
+    return lipschitz_value(x, shape, max(1.0, s), max(1.0, s), 0.0, None, "leaky_relu")
+
+
+@register_rule("aten.prelu")
+def prelu(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
+    x, w = a["self"], a["weight"]
+    if not w.const:
+        return unknown(shape, "prelu with an input-dependent slope")
+    s = max(1.0, max_abs(w.value))
+    return lipschitz_value(x, shape, s, s, 0.0, None, "prelu")
+
+
+@register_rule("aten.hardtanh", "aten.relu6", "aten.clamp", "aten.clip", "aten.clamp_min", "aten.clamp_max")
+def clamp(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
+    x = a.get("self", a.get("input"))
+    name = op_name(n.target)
+    if name == "aten.relu6":
+        lo, hi = 0.0, 6.0
+    elif name == "aten.hardtanh":
+        lo, hi = a.get("min_val", -1.0), a.get("max_val", 1.0)
+    elif name == "aten.clamp_min":
+        lo, hi = a.get("min"), None
+    elif name == "aten.clamp_max":
+        lo, hi = None, a.get("max")
+    else:
+        lo, hi = a.get("min"), a.get("max")
+    for b in (lo, hi):
+        if isinstance(b, AValue) and not b.const:
+            return unknown(shape, f"{name} with an input-dependent bound")
+    lo = max_abs(lo.value) * (-1 if lo.sign == "-" else 1) if isinstance(lo, AValue) else lo
+    hi = max_abs(hi.value) * (-1 if hi.sign == "-" else 1) if isinstance(hi, AValue) else hi
+    short = name.split(".")[-1]
+    if lo is not None and hi is not None:
+        sign = "+" if lo >= 0 else ("-" if hi <= 0 else None)
+        return saturating_value(x, shape, max(abs(lo), abs(hi)), 1.0, sign, short)
+    bound = abs(lo if lo is not None else hi)
+    sign = "+" if (lo is not None and lo >= 0) else ("-" if (hi is not None and hi <= 0) else None)
+    if x.sign == "+" and lo is not None:
+        sign = "+"
+    return lipschitz_value(x, shape, 1.0, 1.0, bound, sign, short)
+
+
+@register_rule("aten.exp", "aten.exp2")
+def exp(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
+    x = a["self"]
+    if x.sign in ("-", "0"):
+        # on z <= 0: 0 < exp(z) <= 1 with slope <= 1; 2^z <= 1 with slope <= log 2
+        lip = 1.0 if op_name(n.target) == "aten.exp" else math.log(2.0)
+        return AValue(exps=E.exp_of_nonpositive(x.exps), shape=shape, growth=Poly.const(sqrt_last(shape)),
+                      max_abs=Poly.const(1.0), jacobian=None if x.jacobian is None else x.jacobian.scale(lip),
+                      sign="+", rule="exp of a provably nonpositive argument (bounded by 1)")
+    src = n.args[0].name if n.args and isinstance(n.args[0], torch.fx.Node) else "?"
+    out = unknown(shape, f"exp of an argument of unknown sign ({src}): unbounded growth")
+    out.sign = "+"
+    return out
+
+
+@register_rule("aten.log", "aten.log2", "aten.log10", "aten.log1p", "aten.sqrt", "aten.rsqrt", "aten.reciprocal",
+               "aten.tan", "aten.atanh", "aten.logit", "aten.erfinv", "aten.digamma", "aten.lgamma")
+def outside(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
+    x = first_tensor(a)
+    name = op_name(n.target)
+    out = unknown(shape, f"{name.split('.')[-1]} of an input-dependent tensor is outside the certified class "
+                         "(not Lipschitz or unbounded near a point)")
+    if name in ("aten.sqrt", "aten.rsqrt", "aten.reciprocal") and x is not None and x.sign == "+":
+        out.sign = "+"
+    return out
+
+
+@register_rule("aten.pow", "aten.square")
+def power(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
+    x = a.get("self")
+    p = a.get("exponent", 2)
+    if op_name(n.target) == "aten.square":
+        p = 2
+    if isinstance(x, AValue) and isinstance(p, AValue):
+        return unknown(shape, "pow with a tensor exponent")
+    if not isinstance(x, AValue):
+        return unknown(shape, "pow of a scalar base by a tensor exponent (exp-like)")
+    p = float(p)
+    if p == 1:
+        return scaled(x, shape, 1.0, rule="pow 1")
+    if p < 1:
+        return unknown(shape, f"pow(x, {p:g}) with p < 1: not Lipschitz at 0")
+    entries = x.entry_bound()
+    growth = jacobian = None
+    if entries is not None and x.growth is not None:
+        growth = entries.power(p - 1) * x.growth
+    if entries is not None and x.jacobian is not None:
+        jacobian = entries.power(p - 1).scale(p) * x.jacobian
+    sign = "+" if (p.is_integer() and int(p) % 2 == 0) or x.sign == "+" else (x.sign if p.is_integer() else None)
+    return AValue(exps=E.compose(E.power(p), x.exps), shape=shape, growth=growth,
+                  max_abs=None if entries is None else entries.power(p), jacobian=jacobian, sign=sign,
+                  rule=f"entrywise power {p:g}")
+
+
+# sign-only and boolean ops on constants never reach here (constants are evaluated); on activations:
+@register_rule("aten.eq", "aten.ne", "aten.lt", "aten.le", "aten.gt", "aten.ge", "aten.sign", "aten.round",
+               "aten.floor", "aten.ceil", "aten.trunc", "aten.argmax", "aten.argmin", "aten.topk", "aten.sort",
+               "aten.bitwise_and", "aten.logical_and", "aten.logical_or", "aten.logical_not", "aten.__and__",
+               "aten.__or__", "aten.isnan")
+def discontinuous(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
+    return unknown(shape, f"{op_name(n.target)} of an input-dependent tensor is discontinuous "
+                          "(outside the certified class)")
