@@ -52,7 +52,10 @@ def check_finite(module: nn.Module, prefix: str = "") -> None:
         for name, t in getattr(module, f"named_{kind}")(remove_duplicate=True):
             if not t.is_floating_point() and not t.is_complex():
                 continue
-            n = int((~torch.isfinite(t.detach())).sum())
+            t = t.detach()
+            if t.numel() == 0 or bool(torch.isfinite(t.sum(dtype=torch.float64))):
+                continue  # a NaN or an inf entry makes the float64 sum non-finite: one pass, no allocation
+            n = int((~torch.isfinite(t)).sum())
             if n:
                 bad.append((prefix + name, n))
     if bad:

@@ -189,6 +189,7 @@ def _pow_up(x: float, p: float) -> float:
 
 
 def _pow_dn(x: float, p: float) -> float:
+    x = max(x, 0.0)  # a radius rounded down from 0 is -0 or the negative subnormal: its power is 0
     if p == 0.0 or p == 1.0:
         return _pow(x, p)
     return max(0.0, _dn(_dn(_pow(x, p))))

@@ -32,7 +32,9 @@ the blow-up.  The monitor follows, every ``every`` training steps:
 * with ``share_alerts=True``, every update whose ``margin_grad`` (even share) is below ``threshold``
   (off by default: a certified stack may spend its budget unevenly);
 * ``kappa`` of an attention update without QK-norm at least ``kappa_growth`` times its value at the
-  first check (default 10x; THEORY.md section 5: ~40x preceded the divergence of a no-LN GPT-2).
+  first check (default 10x; THEORY.md section 5: ~40x preceded the divergence of a no-LN GPT-2);
+* ``non-finite weights``: a weight holds NaN or inf; the record has ``stack/ok = False`` and ``nonfinite``
+  (the message naming the tensors), and the check returns instead of raising: the training loop decides.
 
 **How the figures are obtained.**
 
@@ -80,7 +82,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from ._validation import check_int
+from ._validation import NonFiniteWeightError, check_int
 from .budget import dtype_name, float_max
 from .certificate import BlockCertificate, StackCertificate, certify_stack
 from .stack import CertifiedStack, block_certificate
@@ -134,9 +136,9 @@ class ResidualUpdates:
         fixed = self.fixed or [None] * len(self.modules)
         for name, m, f in zip(self.names, self.modules, fixed):
             try:
-                cert = f if f is not None else block_certificate(m, seq_len=self.seq_len)
-            except TypeError as e:
-                if self.seq_len is None and "seq_len" in str(e):
+                cert = f if f is not None else block_certificate(m, seq_len=self.seq_len, prefix=f"{name}.")
+            except ValueError as e:
+                if self.seq_len is None and "needs seq_len" in str(e):
                     raise ValueError(f"update {name!r} ({type(m).__name__}) needs the sequence length for its "
                                      "certificate: pass seq_len=") from e
                 raise
@@ -439,9 +441,17 @@ class CertificateMonitor:
 
     def _check(self) -> Dict[str, Any]:
         ups = self.updates
-        certs = ups.certificates()
+        try:
+            certs = ups.certificates()
+        except NonFiniteWeightError as exc:  # record and alert; the training loop decides what to do
+            rec: Dict[str, Any] = {"step": self.step_count, "stack/ok": False, "nonfinite": str(exc)}
+            self.records.append(rec)
+            self._emit({"step": self.step_count, "update": exc.names[0][0], "quantity": "non-finite weights",
+                        "value": math.nan, "threshold": self.threshold,
+                        "message": f"step {self.step_count}: {exc}; no certificate for these weights"})
+            return rec
         stack = certify_stack(certs, self.dtype, dt=ups.dt, r0=ups.radius(), lip_g=ups.lip_g)
-        rec: Dict[str, Any] = {"step": self.step_count}
+        rec = {"step": self.step_count}
         rec.update(self._stack_figures(stack))
         for k, (name, m, cert) in enumerate(zip(ups.names, ups.modules, certs)):
             rec.update({f"{name}/{key}": val for key, val in self._update_figures(k, m, cert, stack).items()})

@@ -15,10 +15,12 @@ Triton is imported lazily: this package imports on a CPU-only machine without tr
 """
 
 from . import ops  # noqa: F401  (registers the torch custom ops)
+from ._checks import FLOAT_DTYPES
 from .reference import selective_scan_reference, selective_state_update_reference
 from .scan import selective_scan, selective_state_update
 
 __all__ = [
+    "FLOAT_DTYPES",
     "selective_scan",
     "selective_state_update",
     "selective_scan_reference",

@@ -95,7 +95,8 @@ class ZooModel(nn.Module, metaclass=abc.ABCMeta):
         if cached is not None and cached[0] == key:
             return list(cached[1])
         with single_thread():
-            certs = [renamed(block_certificate(m, seq_len=n), name) for name, m in self.residual_updates()]
+            certs = [renamed(block_certificate(m, seq_len=n, prefix=f"{name}."), name)
+                     for name, m in self.residual_updates()]
         self.__dict__["_cert_cache"] = (key, tuple(certs))
         return certs
 

@@ -108,8 +108,9 @@ class _MambaMixer(nn.Module):
         if layer_idx is not None:
             check_int("layer_idx", layer_idx, minimum=0)
         self.eps = check_real("eps", eps, positive=True)
-        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-            raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or dtype not in _kernels.FLOAT_DTYPES):
+            raise TypeError(f"dtype must be one of {_kernels.FLOAT_DTYPES} or None, got {dtype!r} (the selective-scan "
+                            "kernels compute in float32; certificates are computed in float64 whatever the dtype)")
         factory_kwargs: Dict[str, Any] = {"device": device, "dtype": dtype}
 
         self.d_model = d_model
@@ -172,8 +173,13 @@ class _MambaMixer(nn.Module):
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.d_model:
             raise ValueError(f"{name} must have shape (batch, seqlen, d_model={self.d_model}), "
                              f"got {tuple(hidden_states.shape)}")
-        if not hidden_states.is_floating_point():
-            raise TypeError(f"{name} must be a floating tensor, got dtype {hidden_states.dtype}")
+        if hidden_states.dtype not in _kernels.FLOAT_DTYPES:
+            raise TypeError(f"{name} has dtype {hidden_states.dtype}; allowed: {_kernels.FLOAT_DTYPES} (the "
+                            "selective-scan kernels compute in float32)")
+        weight = self.in_proj.weight
+        if hidden_states.dtype != weight.dtype and not torch.is_autocast_enabled(hidden_states.device.type):
+            raise TypeError(f"{name}.dtype {hidden_states.dtype} differs from the block's parameters ({weight.dtype}); "
+                            f"cast the block with .to({hidden_states.dtype}) or run under torch.autocast")
         return hidden_states
 
     def forward(self, hidden_states: torch.Tensor, inference_params: Any | None = None, *,
@@ -197,6 +203,8 @@ class _MambaMixer(nn.Module):
         """
         self._check_hidden(hidden_states)
         batch, seqlen, _ = hidden_states.shape
+        if seqlen == 0:  # nothing to scan (the states, if any, are left as they are)
+            return hidden_states.new_zeros((batch, 0, self.d_model))
         if cache is not None:
             raise ValueError(f"cache={type(cache).__name__}: transformers caches are not supported by "
                              f"{type(self).__name__}; call the HF model with use_cache=False, or decode with "
@@ -538,7 +546,7 @@ class Mamba(_MambaMixer):
         """
         return cls._from_module(src)  # type: ignore[return-value]
 
-    def certificate(self, *, seq_len: int, r0: float | None = None) -> BlockCertificate:
+    def certificate(self, *, seq_len: int | None = None, r0: float | None = None) -> BlockCertificate:
         """Certificate ``(5, 5)`` with coefficients from the current weights, for sequences of ``seq_len``.
 
         Notation: rho = ||X|| (max over tokens of the token's l2 norm), ||W|| spectral norms
@@ -575,7 +583,8 @@ class Mamba(_MambaMixer):
         constant (valid since ``R^k <= max(R, 1)^5``).  Very loose; meant for comparisons.
 
         Args:
-            seq_len: the sequence length the certificate is for (the state sums at most this many steps).
+            seq_len: the sequence length the certificate is for (the state sums at most this many steps);
+                required: ``ValueError`` when missing.
             r0: optional scale at which the folding of the growth polynomial is tightest.
         """
         L, r0f = self._check_cert_args(seq_len, r0)
@@ -662,7 +671,7 @@ class LinearGrowthMamba(_MambaMixer):
         """
         return cls._from_module(src, eps=eps)  # type: ignore[return-value]
 
-    def certificate(self, *, seq_len: int, r0: float | None = None) -> BlockCertificate:
+    def certificate(self, *, seq_len: int | None = None, r0: float | None = None) -> BlockCertificate:
         """Certificate ``(1, 1)`` with coefficients from the current weights, for sequences of ``seq_len``.
 
         Notation as in :meth:`Mamba.certificate`; rho = ||X||, per-token norm.  Here ``p_t =
@@ -701,7 +710,7 @@ class LinearGrowthMamba(_MambaMixer):
         series with the slowest decay.
 
         Args:
-            seq_len: the sequence length the certificate is for.
+            seq_len: the sequence length the certificate is for; required (``ValueError`` when missing).
             r0: accepted for a uniform interface; validated, not used (the growth bound is affine).
         """
         L, _ = self._check_cert_args(seq_len, r0)
