@@ -232,9 +232,9 @@ def residual_updates(model: Any, *, r0: Optional[float] = None, seq_len: Optiona
 
 # ------------------------------------------------------------------------------------------------ helpers
 def _attention_like(m: nn.Module) -> bool:
-    from .blocks.attention import _SelfAttention
+    from .blocks import Attention, QKNormAttention
 
-    return isinstance(m, _SelfAttention)
+    return isinstance(m, (Attention, QKNormAttention))
 
 
 def _power_step(mv: Callable[[torch.Tensor], torch.Tensor], rmv: Callable[[torch.Tensor], torch.Tensor],

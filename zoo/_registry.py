@@ -70,18 +70,8 @@ def register_model(fn: Optional[F] = None, *, name: Optional[str] = None, family
     return deco
 
 
-def _ensure_loaded() -> None:
-    # importing the family modules runs their @register_model decorators
-    import importlib.util
-
-    from . import gpt2, mamba_forecaster, patchtst, toto  # noqa: F401
-    if importlib.util.find_spec("timm") is not None:
-        from . import vit  # noqa: F401
-
-
 def model_entry(name: str) -> ModelEntry:
     """The :class:`ModelEntry` of a registered name (``KeyError`` lists the names)."""
-    _ensure_loaded()
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
     try:
@@ -116,7 +106,6 @@ def list_models(pattern: str = "*", *, family: Optional[str] = None, include_tes
         family: only this family.
         include_test: also list the small test configurations.
     """
-    _ensure_loaded()
     out = [e.name for e in _REGISTRY.values()
            if fnmatch.fnmatchcase(e.name, pattern) and (family is None or e.family == family)
            and (include_test or not e.test)]
