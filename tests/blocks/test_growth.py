@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import certblocks.testing as cbt
 from certblocks.blocks.attention import Attention, QKNormAttention
 from certblocks.blocks.mlp import MLP, GatedMLP
 from certblocks.blocks.patchtst import PatchTSTBlock
@@ -65,18 +66,18 @@ def _tied_cone(seed: int = 0):
     return attn, x / _tok_norm(x)
 
 
-def _jac_norm(f, x, search) -> float:
-    return float(search.jacobian_lower(f, x, iters=40)[0])
+def _jac_norm(f, x) -> float:
+    return float(cbt.jacobian_norm_lower(f, x, iters=40)[0])
 
 
-def test_plain_attention_reaches_sigma_2_on_tied_cone(search):
+def test_plain_attention_reaches_sigma_2_on_tied_cone():
     attn, x0 = _tied_cone()
     s = attn.scale
     wq, wk = attn.c_attn.weight[:6].detach(), attn.c_attn.weight[6:12].detach()
     logits = s * (x0[0, 1] @ wq.T) @ (wk @ x0[0].T)
     assert torch.allclose(logits[0], logits[1], rtol=1e-12)  # the tie holds for every R (logits scale with R^2)
     radii = [10.0, 100.0, 1e3, 1e4]
-    L = [_jac_norm(attn.forward_reference, r * x0, search) for r in radii]
+    L = [_jac_norm(attn.forward_reference, r * x0) for r in radii]
     slopes = [math.log(L[k + 1] / L[k]) / math.log(radii[k + 1] / radii[k]) for k in range(len(radii) - 1)]
     print("tied cone, plain attention: L(R) =", L, "slopes", slopes)
     assert all(1.9 <= sl <= 2.05 for sl in slopes), slopes
@@ -84,19 +85,19 @@ def test_plain_attention_reaches_sigma_2_on_tied_cone(search):
     assert all(l_ <= cert.jacobian_bound(r) * (1 + 1e-9) for l_, r in zip(L, radii))
 
 
-def test_qk_norm_attention_slope_at_most_1_on_tied_cone(search):
+def test_qk_norm_attention_slope_at_most_1_on_tied_cone():
     attn, x0 = _tied_cone()
     qk = QKNormAttention(6, 1, bias=False).double()
     sd = {**qk.state_dict(), **attn.state_dict()}
     qk.load_state_dict(sd, strict=True)
     radii = [10.0, 100.0, 1e3, 1e4]
-    L = [_jac_norm(qk.forward_reference, r * x0, search) for r in radii]
+    L = [_jac_norm(qk.forward_reference, r * x0) for r in radii]
     slopes = [math.log(L[k + 1] / L[k]) / math.log(radii[k + 1] / radii[k]) for k in range(len(radii) - 1)]
     print("tied cone, QK-norm attention: L(R) =", L, "slopes", slopes)
     assert all(sl <= 1.05 for sl in slopes), slopes
 
 
-def test_generic_ray_reads_sigma_low(search):
+def test_generic_ray_reads_sigma_low():
     """Along a generic ray the softmax saturates: a measured slope is a lower bound only (THEORY.md)."""
     torch.manual_seed(1)
     attn = Attention(6, 1, bias=False).double()
@@ -105,11 +106,11 @@ def test_generic_ray_reads_sigma_low(search):
             p.normal_()
     x0 = torch.randn(1, 2, 6, dtype=torch.float64)
     x0 = x0 / _tok_norm(x0)
-    L = [_jac_norm(attn.forward_reference, r * x0, search) for r in (100.0, 1000.0)]
+    L = [_jac_norm(attn.forward_reference, r * x0) for r in (100.0, 1000.0)]
     assert math.log(L[1] / L[0]) / math.log(10.0) < 1.5
 
 
-def test_qk_norm_jacobian_is_reached(search):
+def test_qk_norm_jacobian_is_reached():
     """The 1/sqrt(eps) in the QK-norm coefficient is real: at a query with q = 0, L grows like 1/sqrt(eps)."""
     d, heads, r = 8, 2, 10.0
     hd = d // heads
@@ -126,7 +127,7 @@ def test_qk_norm_jacobian_is_reached(search):
         x_other = torch.randn(d, dtype=torch.float64)
         x = torch.stack([x_query, r * x_other / x_other.norm()])[None]
         assert float((wq @ x_query + bq).norm()) < 1e-8
-        L = _jac_norm(block.forward_reference, x, search)
+        L = _jac_norm(block.forward_reference, x)
         cert = block.certificate(seq_len=2)
         print(f"QK-norm eps={eps:g} at q = 0: L = {L:.4g}, bound {cert.jacobian_bound(r):.4g}")
         assert L <= cert.jacobian_bound(r) * (1 + 1e-9)
@@ -134,13 +135,13 @@ def test_qk_norm_jacobian_is_reached(search):
     assert found[1e-6] / found[1e-4] > 8.0  # 1/sqrt(eps) scaling: 10x
 
 
-def test_linear_when_single_token(search):
+def test_linear_when_single_token():
     torch.manual_seed(3)
     attn = Attention(D, H).double()
     cert = attn.certificate(seq_len=1)
     assert cert.l1 == 0.0
     x = torch.randn(5, 1, D, dtype=torch.float64) * 30
-    found = search.jacobian_lower(attn.forward_reference, x)
+    found = cbt.jacobian_norm_lower(attn.forward_reference, x)
     assert float(found.max()) <= cert.l0 * (1 + 1e-9)
     assert float(found.max()) >= cert.l0 * (1 - 1e-6)  # exact: the block is the linear map W_O W_V
     with torch.no_grad():
@@ -154,7 +155,7 @@ def test_linear_when_single_token(search):
         attn.certificate(r0=-1.0)
 
 
-def test_attention_bounds_hold_for_long_sequences(search):
+def test_attention_bounds_hold_for_long_sequences():
     """In the per-token norm the attention coefficients do not depend on n: check them at n = 24."""
     torch.manual_seed(4)
     n, d = 24, 8
@@ -164,7 +165,8 @@ def test_attention_bounds_hold_for_long_sequences(search):
         cert = block.certificate(seq_len=n)
         assert cert.to_dict() == block.certificate().to_dict()  # seq_len > 1 does not change the bounds
         for r in (0.3, 3.0):
-            x = search.random_inputs(n, d, r, 4, torch.Generator().manual_seed(5))
+            x = cbt.random_inputs((n, d), r, 4, generator=torch.Generator().manual_seed(5))
             with torch.no_grad():
-                assert float(search.tok_norm(block(x)).max()) <= cert.growth_bound(r) * (1 + 1e-9)
-            assert float(search.jacobian_lower(block.forward_reference, x).max()) <= cert.jacobian_bound(r) * (1 + 1e-9)
+                assert float(cbt.token_norm(block(x)).max()) <= cert.growth_bound(r) * (1 + 1e-9)
+            low = cbt.jacobian_norm_lower(block.forward_reference, x)
+            assert float(low.max()) <= cert.jacobian_bound(r) * (1 + 1e-9)
