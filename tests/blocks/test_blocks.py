@@ -97,6 +97,7 @@ def test_low_precision_forward(dtype):
             assert torch.isfinite(ym).all(), name
 
 
+@pytest.mark.slow
 def test_torch_compile_fullgraph():
     """One compiled graph holding every block (compile is slow on small CPUs: one call covers all)."""
     blocks = nn.ModuleDict(all_blocks()).eval()

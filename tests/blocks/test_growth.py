@@ -155,6 +155,7 @@ def test_linear_when_single_token():
         attn.certificate(r0=-1.0)
 
 
+@pytest.mark.slow
 def test_attention_bounds_hold_for_long_sequences():
     """In the per-token norm the attention coefficients do not depend on n: check them at n = 24."""
     torch.manual_seed(4)

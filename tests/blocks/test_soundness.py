@@ -82,6 +82,7 @@ CASES = {
 RTOL = 1e-7  # float64 rounding allowance on a bound
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_certificate_is_sound(case):
     block = CASES[case](zlib.crc32(case.encode()) % 1000)  # a seed that does not change between runs

@@ -105,6 +105,7 @@ def _v32(blk):
     return lambda x: blk(x.float())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed, dt_shift", [(0, 0.0), (1, 3.0), (2, -4.0)])
 def test_linear_growth_forward_bound_is_sound(seed, dt_shift):
     blk = _block(LinearGrowthMamba, seed, dt_shift)
@@ -115,6 +116,7 @@ def test_linear_growth_forward_bound_is_sound(seed, dt_shift):
     assert g.ok, g.describe()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed, dt_shift", [(0, 0.0), (1, 3.0)])
 def test_linear_growth_jacobian_bound_is_sound(seed, dt_shift):
     blk = _block(LinearGrowthMamba, seed, dt_shift, eps=1e-2)
@@ -124,6 +126,7 @@ def test_linear_growth_jacobian_bound_is_sound(seed, dt_shift):
     assert j.ok, j.describe()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_free_mamba_bounds_are_sound(seed):
     blk = _block(Mamba, seed)

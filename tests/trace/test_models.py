@@ -33,6 +33,7 @@ def vit_certs():
     return built, bare
 
 
+@pytest.mark.slow
 def test_vit_tiny_24_updates_all_bounded(vit_certs):
     built, _ = vit_certs
     assert isinstance(built, ModelCertificate)

@@ -114,6 +114,7 @@ def test_division_by_input_is_not_derived():
     assert c.q is None and c.culprit_node.startswith("div")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", [lambda: Normed("rms"), lambda: Normed("gn"), lambda: Normed("l2"), ConvBlock,
                                   lambda: Act(nn.Tanh()), lambda: Act(nn.Softplus()), FlashCPU])
 def test_op_coefficients_sound(make, soundness):

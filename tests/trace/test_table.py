@@ -254,6 +254,7 @@ SOUND = ["mlp_gelu", "pre_norm", "swiglu", "sigmoid_glu", "attention_sdpa", "att
          "hand_rmsnorm", "centred_norm"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SOUND)
 def test_coefficients_sound(name, soundness):
     make, _ = CASES[name]
@@ -266,6 +267,7 @@ def test_coefficients_sound(name, soundness):
     soundness(m, cert, shape, name)
 
 
+@pytest.mark.slow
 def test_mamba_loop_coefficients_sound(soundness):
     torch.manual_seed(1)
     m = LoopMamba().eval()
