@@ -326,7 +326,7 @@ def test_bad_call_arguments(monkeypatch):
         blk(torch.randn(L, D_MODEL))
     with pytest.raises(TypeError, match="hidden_states"):
         blk([[0.0]])
-    with pytest.raises(TypeError, match="floating"):
+    with pytest.raises(TypeError, match="hidden_states has dtype torch.int64; allowed"):
         blk(torch.ones(2, L, D_MODEL, dtype=torch.long))
     cs, ss = blk.allocate_inference_cache(2, 4)
     with pytest.raises(ValueError, match="one token"):

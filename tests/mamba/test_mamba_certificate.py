@@ -170,7 +170,8 @@ def test_linear_growth_forward_bound_is_attained_and_never_exceeded(dt_bias):
     x[..., 0] = 1.0
     with torch.no_grad():
         ratios = [float(_growth_ratio(blk, cert, s * x)) for s in (1.0, 10.0, 100.0, 1e4)]
-    assert max(ratios) <= 1.0, ratios
+    # the bound is attained exactly on this ray: the block's float32 arithmetic may land a few ulps above it
+    assert max(ratios) <= 1.0 + 4 * torch.finfo(torch.float32).eps, ratios
     assert ratios[-1] >= 0.99, ratios  # sharp: the bound is what the block does on this ray
 
 
