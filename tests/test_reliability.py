@@ -110,3 +110,29 @@ def test_block_without_the_protocol_gets_a_clear_error():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         build_stack([(Old(), BlockCertificate(1, 0, c=1.0, l0=1.0))], "fp32")  # an explicit certificate is fine
+
+
+def test_certify_names_the_non_finite_parameter():
+    from certblocks import certify
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    _poison(model[2], where=(1, 2))
+    with pytest.raises(NonFiniteWeightError, match=r"^2\.weight has 1 non-finite entry"):
+        certify(model, torch.randn(2, 3, 4))
+
+
+def test_failed_capture_is_one_clean_error(capfd):
+    from certblocks import certify
+    from certblocks.trace import CaptureError
+
+    class Branchy(torch.nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:  # data-dependent control flow: torch.export refuses it
+                return x + torch.tanh(x)
+            return x
+
+    with pytest.raises(CaptureError, match="torch.export could not capture Branchy") as err:
+        certify(Branchy(), torch.randn(2, 3, 4))
+    captured = capfd.readouterr()
+    assert captured.out == "" and captured.err == ""  # no pages of torch logs
+    assert "\n" not in str(err.value)

@@ -106,13 +106,13 @@ def run_certify(args: argparse.Namespace) -> int:
 def _print(args: argparse.Namespace, updates: Any, stack: Any) -> None:
     out = sys.stdout
     if args.json:
-        from certblocks.trace.report import _jsonable
+        from certblocks.trace.report import jsonable
 
         doc = {"model": args.model, "certificates": updates.to_dict(), "stack": stack.to_dict()}
         if not args.explain:
             for u in doc["certificates"]["updates"]:
                 u.pop("nodes", None)
-        print(json.dumps(_jsonable(doc), indent=2), file=out)
+        print(json.dumps(jsonable(doc), indent=2), file=out)
         return
     print(updates.explain(), file=out)
     if args.explain:

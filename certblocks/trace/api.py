@@ -7,6 +7,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from .._validation import check_finite
 from ..certificate import BlockCertificate
 from .capture import CapturedGraph, capture
 from .collapse import coefficients, peak
@@ -69,9 +70,15 @@ def certify(module: nn.Module, example_input: Any, *, residual: Union[str, Seque
         A :class:`TraceCertificate` for a single velocity, or a :class:`ModelCertificate` listing the
         residual updates (or the selected modules) in depth order; ``.stack(dtype, r0=...)`` on it
         gives a :class:`~certblocks.certificate.StackCertificate`.
+
+    Raises:
+        NonFiniteWeightError: a parameter or buffer holds NaN or inf (the message names it by its path).
+        CaptureError: ``torch.export`` could not capture the module (one message, both attempts' reasons).
     """
     args, kw = _as_args(example_input)
     kw.update(kwargs or {})
+    if isinstance(module, nn.Module):
+        check_finite(module)  # names a NaN/inf weight by its path, instead of a certificate computed from it
     g = capture(module, args, kw)
     model_name = type(module).__name__
     if residual is None or residual is False:

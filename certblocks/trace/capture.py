@@ -7,8 +7,11 @@ are read from this run), and records module paths from the ``nn_module_stack`` m
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+import io
+import logging
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -214,6 +217,21 @@ def _has_mutation(ep: Any) -> bool:
     return False
 
 
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """Silence torch while exporting: a failed attempt prints and logs whole graphs; the CaptureError says why."""
+    names = [n for n in logging.root.manager.loggerDict if n == "torch" or n.startswith("torch.")]
+    saved = {n: logging.getLogger(n).level for n in names}
+    for n in names:
+        logging.getLogger(n).setLevel(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for n, level in saved.items():
+            logging.getLogger(n).setLevel(level)
+
+
 def capture(module: nn.Module, args: Tuple[Any, ...], kwargs: Optional[Dict[str, Any]] = None) -> CapturedGraph:
     """Export ``module`` on ``args``/``kwargs`` and run the graph once.
 
@@ -233,7 +251,8 @@ def capture(module: nn.Module, args: Tuple[Any, ...], kwargs: Optional[Dict[str,
     errors = []
     for strict in (False, True):
         try:
-            ep = torch.export.export(wrapper, tuple(args), kwargs=kwargs, strict=strict)
+            with _quiet_torch_logs():
+                ep = torch.export.export(wrapper, tuple(args), kwargs=kwargs, strict=strict)
             break
         except Exception as exc:  # report both attempts
             errors.append(f"strict={strict}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")

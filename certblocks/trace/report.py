@@ -13,7 +13,7 @@ from ..certificate import BlockCertificate, StackCertificate, certify_stack
 from ..exponents import Exponents
 from .values import AValue
 
-__all__ = ["NodeRow", "TraceCertificate", "ModelCertificate", "NOT_DERIVED"]
+__all__ = ["NodeRow", "TraceCertificate", "ModelCertificate", "NOT_DERIVED", "jsonable"]
 
 #: Coefficient reported when no finite bound was derived (the certificate stays sound: it is huge).
 NOT_DERIVED = sys.float_info.max
@@ -110,7 +110,7 @@ class TraceCertificate:
                 "nodes": [r.to_dict() for r in self.nodes]}
 
     def to_json(self, **kwargs: Any) -> str:
-        return json.dumps(_jsonable(self.to_dict()), **kwargs)
+        return json.dumps(jsonable(self.to_dict()), **kwargs)
 
     def __str__(self) -> str:
         s = str(self.certificate)
@@ -176,13 +176,13 @@ class ModelCertificate:
                 "updates": [u.to_dict() for u in self.updates]}
 
     def to_json(self, **kwargs: Any) -> str:
-        return json.dumps(_jsonable(self.to_dict()), **kwargs)
+        return json.dumps(jsonable(self.to_dict()), **kwargs)
 
     def __str__(self) -> str:
         return self.explain()
 
 
-def _jsonable(x: Any) -> Any:
+def jsonable(x: Any) -> Any:
     if isinstance(x, float):
         if math.isinf(x):
             return "inf" if x > 0 else "-inf"
@@ -190,9 +190,9 @@ def _jsonable(x: Any) -> Any:
             return None
         return x
     if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
+        return {k: jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     return x
 
 
