@@ -83,6 +83,7 @@ import torch
 from torch import nn
 
 from ._validation import NonFiniteWeightError, check_int
+from .bounds import one_thread
 from .budget import dtype_name, float_max
 from .certificate import BlockCertificate, StackCertificate, certify_stack
 from .stack import CertifiedStack, block_certificate
@@ -124,12 +125,8 @@ class ResidualUpdates:
     def certificates(self) -> List[BlockCertificate]:
         """One certificate per update, named by :attr:`names` (float64 linear algebra on one thread: on a busy
         machine multi-threaded LAPACK on these small matrices was measured many times slower)."""
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with one_thread():
             return self._certificates()
-        finally:
-            torch.set_num_threads(threads)
 
     def _certificates(self) -> List[BlockCertificate]:
         out = []
@@ -432,12 +429,8 @@ class CertificateMonitor:
 
     def check(self) -> Dict[str, Any]:
         """Compute the figures now (weights as they are, batch figures from the last captured forward)."""
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # small float64 linear algebra: one thread is much faster on a busy machine
-        try:
+        with one_thread():  # small float64 linear algebra: one thread is much faster here
             return self._check()
-        finally:
-            torch.set_num_threads(threads)
 
     def _check(self) -> Dict[str, Any]:
         ups = self.updates

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ._validation import check_finite
+from .bounds import one_thread
 from .budget import dtype_name
 from .certificate import BlockCertificate, StackCertificate, certify_stack
 
@@ -53,7 +54,8 @@ def block_certificate(module: nn.Module, *, seq_len: int | None = None, prefix: 
                         "or use certblocks.certify to derive one from its graph")
     check_finite(module, prefix)
     try:
-        cert = method(seq_len=seq_len)
+        with one_thread():
+            cert = method(seq_len=seq_len)
     except TypeError as exc:
         if "unexpected keyword argument 'seq_len'" not in str(exc):
             raise

@@ -23,14 +23,14 @@ Defaults used for certification (each family documents its own ``r0`` and ``seq_
 from __future__ import annotations
 
 import abc
-import contextlib
 import dataclasses
-from typing import Iterator, List, Optional, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
 from certblocks._validation import check_bool, check_int, check_prob  # noqa: F401  (the families' checks)
+from certblocks.bounds import one_thread
 from certblocks.budget import dtype_name
 from certblocks.certificate import BlockCertificate, StackCertificate, certify_stack
 from certblocks.stack import CertificationError, block_certificate
@@ -44,21 +44,6 @@ DEFAULT_CERT_DTYPE = "bf16"
 def renamed(cert: BlockCertificate, name: str) -> BlockCertificate:
     """``cert`` with ``name`` as its label."""
     return dataclasses.replace(cert, name=name)
-
-
-@contextlib.contextmanager
-def single_thread() -> Iterator[None]:
-    """Run the certificate's small float64 linear algebra on one thread.
-
-    On a busy machine multi-threaded LAPACK calls on these small matrices were measured 20-300x
-    slower than single-threaded ones (0.1 s against 2-35 s for the same certificate).
-    """
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 class ZooModel(nn.Module, metaclass=abc.ABCMeta):
@@ -88,17 +73,30 @@ class ZooModel(nn.Module, metaclass=abc.ABCMeta):
     def update_certificates(self, *, seq_len: Optional[int] = None) -> List[BlockCertificate]:
         """One :class:`BlockCertificate` per residual update, named by module path, in depth order."""
         n = self.certificate_seq_len() if seq_len is None else check_int("seq_len", seq_len)
-        # cache keyed on the parameters' identities and versions (an optimizer step bumps the versions)
-        key = (n, tuple((id(p), p._version, p.dtype, p.device) for p in self.parameters()),
-               tuple((id(b), b._version) for b in self.buffers()))
+        key = (n, self._weights_key())
         cached = self.__dict__.get("_cert_cache")
         if cached is not None and cached[0] == key:
             return list(cached[1])
-        with single_thread():
+        with one_thread():  # small float64 linear algebra: one thread is much faster here
             certs = [renamed(block_certificate(m, seq_len=n, prefix=f"{name}."), name)
                      for name, m in self.residual_updates()]
         self.__dict__["_cert_cache"] = (key, tuple(certs))
         return certs
+
+    def _weights_key(self) -> tuple:
+        """The parameters' and buffers' identities and versions (an optimizer step bumps the versions)."""
+        return (tuple((id(p), p._version, p.dtype, p.device) for p in self.parameters()),
+                tuple((id(b), b._version) for b in self.buffers()))
+
+    def _radius(self) -> float:
+        """:meth:`input_radius`, cached like the update certificates."""
+        key = self._weights_key()
+        cached = self.__dict__.get("_radius_cache")
+        if cached is None or cached[0] != key:
+            with one_thread():
+                cached = (key, float(self.input_radius()))
+            self.__dict__["_radius_cache"] = cached
+        return cached[1]
 
     def certificate(self, dtype: Union[str, torch.dtype, None] = None, *, r0: Optional[float] = None,
                     seq_len: Optional[int] = None, dt: float = 1.0, lip_g: float = 1.0) -> StackCertificate:
@@ -112,7 +110,7 @@ class ZooModel(nn.Module, metaclass=abc.ABCMeta):
             dt: residual step (the zoo's models add ``v`` with step 1).
             lip_g: Lipschitz constant of the loss head in the state.
         """
-        r = self.input_radius() if r0 is None else float(r0)
+        r = self._radius() if r0 is None else float(r0)
         return certify_stack(self.update_certificates(seq_len=seq_len), dtype or self.cert_dtype, dt=dt, r0=r,
                              lip_g=lip_g)
 

@@ -364,23 +364,24 @@ class _SelfAttention(nn.Module):
 
     # -- certificate ----------------------------------------------------------------------------------------
     def _head_weights(self) -> Dict[str, Any]:
+        """float64 CPU copies of the weights, per head where it matters: ``wq, wk, wv`` are ``(H, d_k, D)``,
+        ``wo`` is ``(H, D, d_k)``, ``bq, bk`` are ``(H, d_k)`` or ``None``."""
         D, hd, H = self.dim, self.head_dim, self.num_heads
         f64 = lambda t: None if t is None else t.detach().double().cpu()  # noqa: E731
         w, b = f64(self.in_proj.weight), f64(self.in_proj.bias)
         wo, bo = f64(self.out_proj.weight), f64(self.out_proj.bias)
-        wq, wk, wv = w[:D], w[D:2 * D], w[2 * D:]
-        sl = [slice(h * hd, (h + 1) * hd) for h in range(H)]
-        split = lambda t: None if t is None else [t[s] for s in sl]  # noqa: E731
-        return {"wq": split(wq), "wk": split(wk), "wv": split(wv), "wo": [wo[:, s] for s in sl],
-                "bq": split(None if b is None else b[:D]), "bk": split(None if b is None else b[D:2 * D]),
-                "w_in": w, "b_in": b, "wo_full": wo, "wv_full": wv, "bv_full": None if b is None else b[2 * D:],
-                "bo": bo}
+        heads = lambda t: t.reshape(H, hd, D)  # noqa: E731
+        bias = lambda t: None if b is None else t.reshape(H, hd)  # noqa: E731
+        return {"wq": heads(w[:D]), "wk": heads(w[D:2 * D]), "wv": heads(w[2 * D:]),
+                "wo": wo.reshape(D, H, hd).permute(1, 0, 2), "bq": bias(None if b is None else b[:D]),
+                "bk": bias(None if b is None else b[D:2 * D]), "b_in": b, "wo_full": wo, "wv_full": w[2 * D:],
+                "bv_full": None if b is None else b[2 * D:], "bo": bo}
 
     def _norms(self, seq_len: Optional[int]) -> AttentionNorms:
-        """The norms of the current weights (exact up to the bounds layer's margin)."""
+        """The norms of the current weights (exact up to the bounds layer's margin; heads batched)."""
         hw = self._head_weights()
         H = self.num_heads
-        value = tuple(bounds.product_norm(wo, wv) for wo, wv in zip(hw["wo"], hw["wv"]))
+        value = tuple(bounds.product_norms(hw["wo"], hw["wv"]))  # ||W_O^h W_V^h||
         bias = torch.zeros(self.dim, dtype=torch.float64)
         if hw["bv_full"] is not None:
             bias = bias + hw["wo_full"] @ hw["bv_full"]
@@ -392,26 +393,29 @@ class _SelfAttention(nn.Module):
         else:
             # ||[M_1 .. M_H]|| = ||W_O blockdiag(R_h^T)|| with W_V^h = (Q_h R_h)^T.  Rounding: R_h is exact for
             # W_V^h + E_h, ||E_h||_F <= 8 D d_k u ||W_V^h||_F (Householder QR), which moves the norm by at most
-            # ||W_O|| max_h ||E_h||; the products W_O^h R_h^T err by gamma_{d_k} ||W_O||_F ||W_V||_F
-            blocks = [wo @ torch.linalg.qr(wv.T, mode="r")[1].T for wo, wv in zip(hw["wo"], hw["wv"])]
+            # ||W_O|| max_h ||E_h|| (||W_O|| <= sqrt(sum_h ||W_O^h||^2)); the products W_O^h R_h^T err by
+            # gamma_{d_k} ||W_O||_F ||W_V||_F
+            with bounds.one_thread():
+                r = torch.linalg.qr(hw["wv"].mT, mode="r")[1]  # (H, d_k, d_k)
+            blocks = hw["wo"] @ r.mT  # (H, D, d_k)
             u = bounds.UNIT_ROUNDOFF
-            err = (8.0 * self.dim * self.head_dim * u * bounds.op_norm(hw["wo_full"])
-                   * max(bounds.vec_norm(wv) for wv in hw["wv"])
+            wo_norm = math.sqrt(math.fsum(n * n for n in bounds.op_norms(hw["wo"]))) * (1.0 + 2.0 * H * u)
+            err = (8.0 * self.dim * self.head_dim * u * wo_norm
+                   * float(torch.linalg.vector_norm(hw["wv"], dim=(-2, -1)).max()) * (1.0 + 1e-12)
                    + 2.0 * self.head_dim * u * bounds.vec_norm(hw["wo_full"]) * bounds.vec_norm(hw["wv_full"]))
-            concat = bounds.op_norm(torch.cat(blocks, dim=1)) + err
+            concat = bounds.op_norm(blocks.permute(1, 0, 2).reshape(self.dim, -1)) + err
             c = min(math.fsum(value), math.sqrt(H) * concat)
-        common = dict(value=value, c=c, b=b, w_in=bounds.op_norm(self.in_proj.weight), b_in=bounds.vec_norm(hw["b_in"]),
-                      linear=seq_len == 1)
+        common = dict(value=value, c=c, b=b, w_in=bounds.op_norm(self.in_proj.weight),
+                      b_in=bounds.vec_norm(hw["b_in"]), linear=seq_len == 1)
         if self.qk_norm is not None:
-            return AttentionNorms(**common, wq=tuple(bounds.op_norm(w) for w in hw["wq"]),
-                                  wk=tuple(bounds.op_norm(w) for w in hw["wk"]),
+            return AttentionNorms(**common, wq=tuple(bounds.op_norms(hw["wq"])), wk=tuple(bounds.op_norms(hw["wk"])),
                                   a_q=self.q_norm.output_bound(), a_k=self.k_norm.output_bound(),
                                   g_q=self.q_norm.jacobian_bound(), g_k=self.k_norm.jacobian_bound())
-        bq = hw["bq"] if hw["bq"] is not None else [None] * H
-        bk = hw["bk"] if hw["bk"] is not None else [None] * H
+        kappa = tuple(bounds.product_norms(hw["wq"].mT, hw["wk"]))  # ||W_Q^{hT} W_K^h||
+        bq = [None] * H if hw["bq"] is None else list(hw["bq"])
+        bk = [None] * H if hw["bk"] is None else list(hw["bk"])
         beta = tuple(0.0 if q is None else bounds.vec_norm(wk.T @ q) for wk, q in zip(hw["wk"], bq))
         cross = max(bt + (0.0 if k is None else bounds.vec_norm(wq.T @ k)) for wq, bt, k in zip(hw["wq"], beta, bk))
-        kappa = tuple(bounds.product_norm(wq.T, wk) for wq, wk in zip(hw["wq"], hw["wk"]))
         return AttentionNorms(**common, kappa=kappa, beta=beta, cross=cross,
                               const=max(bounds.vec_norm(q) * bounds.vec_norm(k) for q, k in zip(bq, bk)))
 

@@ -2,8 +2,8 @@
 
 Every function here returns a Python float that is an UPPER bound of the quantity it names, never
 an estimate from below, so certificates built from them are sound.  All arithmetic is float64 on
-the CPU, on one thread (multi-threaded LAPACK on these small problems was measured 10-1000x slower
-on a busy machine).
+the CPU, on one thread (:func:`one_thread`: multi-threaded LAPACK and BLAS on these problems were
+measured 3-1000x slower than one thread on the 2-core development machine, idle or busy).
 
 **The safety margin.**  Each computed norm carries one stated relative margin, derived from the
 rounding errors of the computation that produced it (``u = 2^-53``, the float64 unit roundoff):
@@ -32,9 +32,10 @@ invalidates them).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
-from typing import Callable, Dict, Hashable, Optional, Tuple
+from typing import Callable, Dict, Hashable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -44,7 +45,9 @@ __all__ = [
     "margin",
     "op_norm",
     "op_norm_tensor",
+    "op_norms",
     "product_norm",
+    "product_norms",
     "sandwich_norm",
     "vec_norm",
     "vec_inf_norm",
@@ -52,6 +55,7 @@ __all__ = [
     "inf_norm",
     "rounded_up",
     "clear_cache",
+    "one_thread",
 ]
 
 #: float64 unit roundoff.
@@ -86,15 +90,17 @@ def _f64(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(device="cpu", dtype=torch.complex128 if t.is_complex() else torch.float64)
 
 
-class _OneThread:
-    def __enter__(self) -> None:
-        self._n = torch.get_num_threads()
-        if self._n != 1:
-            torch.set_num_threads(1)
-
-    def __exit__(self, *exc: object) -> None:
-        if self._n != 1:
-            torch.set_num_threads(self._n)
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run torch on one thread inside the block (restored after): how every certificate computes its norms."""
+    n = torch.get_num_threads()
+    if n != 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if n != 1:
+            torch.set_num_threads(n)
 
 
 _CACHE: Dict[Hashable, Tuple[weakref.ref[torch.Tensor], float]] = {}
@@ -143,7 +149,8 @@ def row_norm_max(w: torch.Tensor) -> float:
         return 0.0
     if w.ndim == 0:
         return float(abs(float(w)))
-    return rounded_up(float(torch.linalg.vector_norm(_f64(w), dim=-1).max()), w.shape[-1])
+    return _cached("rows", w, lambda: rounded_up(float(torch.linalg.vector_norm(
+        w.detach(), dim=-1, dtype=torch.float64).max()), w.shape[-1]))
 
 
 def inf_norm(w: torch.Tensor) -> float:
@@ -159,8 +166,9 @@ def inf_norm(w: torch.Tensor) -> float:
 def _gram_lambda_max(a: torch.Tensor) -> float:
     """``lambda_max`` of the small Gram matrix of each matrix in the batch ``a`` (float64), the largest."""
     m, n = a.shape[-2], a.shape[-1]
-    g = a @ a.mH if m <= n else a.mH @ a
-    ev = torch.linalg.eigvalsh(g)[..., -1]
+    with one_thread():
+        g = a @ a.mH if m <= n else a.mH @ a
+        ev = torch.linalg.eigvalsh(g)[..., -1]
     return max(float(ev.max()), 0.0)
 
 
@@ -194,11 +202,9 @@ def _op_norm_uncached(w: torch.Tensor) -> float:
     a = _f64(w)
     a = a.reshape(-1, a.shape[-2], a.shape[-1])
     m, k = max(a.shape[-2:]), min(a.shape[-2:])
-    with _OneThread():
-        if k > EXACT_LIMIT:
-            return max(_gram_power_bound(mat) for mat in a)
-        lam = _gram_lambda_max(a)
-    return math.sqrt(lam / (1.0 - margin(m, k)))
+    if k > EXACT_LIMIT:
+        return max(_gram_power_bound(mat) for mat in a)
+    return math.sqrt(_gram_lambda_max(a) / (1.0 - margin(m, k)))
 
 
 def op_norm(w: torch.Tensor) -> float:
@@ -233,10 +239,26 @@ def op_norm_tensor(w: torch.Tensor) -> torch.Tensor:
     if a.ndim == 1:
         return torch.linalg.vector_norm(a) * (1.0 + _gamma(a.numel()) + UNIT_ROUNDOFF)
     m, k = max(a.shape), min(a.shape)
-    with _OneThread():
+    with one_thread():
         g = a.mT @ a if a.shape[0] >= a.shape[1] else a @ a.mT
         lam = torch.linalg.eigvalsh(g)[-1].clamp_min(0.0)
     return torch.sqrt(lam / (1.0 - margin(m, k)))
+
+
+def op_norms(w: torch.Tensor) -> List[float]:
+    """Upper bounds of ``||W_i||_2`` for each matrix of a batch ``(..., m, n)``, in one eigensolver call."""
+    a = _f64(w)
+    a = a.reshape(-1, a.shape[-2], a.shape[-1])
+    m, k = max(a.shape[-2:]), min(a.shape[-2:])
+    if a.numel() == 0:
+        return [0.0] * a.shape[0]
+    if k > EXACT_LIMIT:
+        return [_gram_power_bound(mat) for mat in a]
+    with one_thread():
+        g = a @ a.mH if a.shape[-2] <= a.shape[-1] else a.mH @ a
+        ev = torch.linalg.eigvalsh(g)[..., -1].clamp_min(0.0)
+    scale = 1.0 / (1.0 - margin(m, k))
+    return [math.sqrt(float(e) * scale) for e in ev]
 
 
 def product_norm(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -244,27 +266,45 @@ def product_norm(a: torch.Tensor, b: torch.Tensor) -> float:
 
     For ``A`` of shape ``(p, k)`` and ``B`` of shape ``(k, r)`` with ``k`` smaller than both outer sides (the
     heads' ``W_O^h W_V^h`` and ``W_Q^{hT} W_K^h`` are ``d x d`` of rank ``d_k``), the reduced QR factors
-    ``A = Q_a R_a``, ``B^T = Q_b R_b`` give ``||A B|| = ||R_a R_b^T||``.  The QR factorization is backward
-    stable (Higham, section 19.3): ``R`` is exact for ``A + dA`` with ``||dA||_F <= gamma_c p k ||A||_F``;
-    that error is added, as a bound on the norm of the error of the product, to the core's norm.
+    ``A = Q_a R_a``, ``B^T = Q_b R_b`` give ``||A B|| = ||R_a R_b^T||`` (see :func:`product_norms`).
     """
     a64, b64 = _f64(a), _f64(b)
-    if a64.shape[-1] != b64.shape[-2]:
+    if a64.ndim != 2 or b64.ndim != 2 or a64.shape[-1] != b64.shape[-2]:
         raise ValueError(f"product_norm: inner sizes differ, {tuple(a64.shape)} @ {tuple(b64.shape)}")
     p, k, r = a64.shape[0], a64.shape[1], b64.shape[1]
-    fa, fb = vec_norm(a64), vec_norm(b64)
     if k >= min(p, r):
+        fa, fb = vec_norm(a64), vec_norm(b64)
         return op_norm(a64 @ b64) + _gamma(k) * fa * fb  # |fl(AB) - AB| <= gamma_k |A| |B| entrywise
-    with _OneThread():
+    return product_norms(a64[None], b64[None])[0]
+
+
+def product_norms(a: torch.Tensor, b: torch.Tensor) -> List[float]:
+    """Upper bounds of ``||A_i B_i||_2`` for batches ``(H, p, k)`` and ``(H, k, r)`` of thin products (``k`` small).
+
+    The reduced QR factors ``A_i = Q R_a``, ``B_i^T = Q' R_b`` give ``||A_i B_i|| = ||R_a R_b^T||``, a ``k x k``
+    problem, all heads in one batched call.  The QR factorization is backward stable (Higham, Thm 19.4): ``R_a``
+    is exact for ``A + dA`` with ``||dA||_F <= 8 p k u ||A||_F`` (columnwise), likewise ``R_b``; the bound adds
+    ``||dA|| ||B|| + ||A + dA|| ||dB||`` and the core product's rounding to the core's norm, with
+    ``||A|| <= ||R_a|| + ||dA||``.
+    """
+    a64, b64 = _f64(a), _f64(b)
+    H, p, k = a64.shape
+    r = b64.shape[-1]
+    with one_thread():
         ra = torch.linalg.qr(a64, mode="r")[1]
         rb = torch.linalg.qr(b64.mT, mode="r")[1]
         core = ra @ rb.mT
-    # ||AB|| <= ||R_a R_b^T|| + ||dA|| ||B|| + ||A + dA|| ||dB|| + (the core product's rounding), with the
-    # columnwise backward errors ||dA||_F <= 8 p k u ||A||_F, ||dB||_F <= 8 r k u ||B||_F (Householder QR)
+    fa = torch.linalg.vector_norm(a64, dim=(-2, -1)) * (1.0 + _gamma(p * k) + UNIT_ROUNDOFF)
+    fb = torch.linalg.vector_norm(b64, dim=(-2, -1)) * (1.0 + _gamma(k * r) + UNIT_ROUNDOFF)
     ea, eb = 8.0 * p * k * UNIT_ROUNDOFF, 8.0 * r * k * UNIT_ROUNDOFF
-    na, nb = op_norm(a64), op_norm(b64)
-    err = ea * fa * nb + eb * (na + ea * fa) * fb + _gamma(k) * (1.0 + ea) * (1.0 + eb) * fa * fb
-    return op_norm(core) + err
+    cores, nra, nrb = op_norms(core), op_norms(ra), op_norms(rb)
+    out = []
+    for i in range(H):
+        fai, fbi = float(fa[i]), float(fb[i])
+        na, nb = nra[i] + ea * fai, nrb[i] + eb * fbi
+        err = ea * fai * nb + eb * (na + ea * fai) * fbi + _gamma(k) * (1.0 + ea) * (1.0 + eb) * fai * fbi
+        out.append(cores[i] + err)
+    return out
 
 
 def sandwich_norm(a: torch.Tensor, b: torch.Tensor, lo: float, hi: float, *, a_norm: Optional[float] = None,
