@@ -974,10 +974,10 @@ def _time_module(rep: Report, plan: Plan, kind: str, name: str, module: torch.nn
 
 
 def _set_backend(model: torch.nn.Module, backend: str) -> None:
-    from certblocks.blocks.mamba import _MambaMixer
+    from certblocks.blocks.mixer import SelectiveScanMixer
 
     for m in model.modules():
-        if isinstance(m, _MambaMixer):
+        if isinstance(m, SelectiveScanMixer):
             m.backend = backend
 
 

@@ -61,11 +61,12 @@ from .._validation import check_cert_args, check_choice, check_finite, check_inp
 from ..certificate import BlockCertificate, Peak
 from ..exponents import ATTENTION, QK_NORM_ATTENTION, Exponents
 from ..protocol import CapSlot, linear_cap_slots
+from .attention_sources import read_source
+from .qk_norm import QK_NORMS, QKNorm, SplitQKVRMSNorm
 
 __all__ = ["Attention", "AttentionNorms", "QKNormAttention", "QKNorm", "check_input"]
 
 _NAMINGS = {"gpt2": ("c_attn", "c_proj"), "timm": ("qkv", "proj")}
-_QK_NORMS = ("rms", "l2", "layer")
 
 
 @dataclass(frozen=True)
@@ -107,106 +108,6 @@ class AttentionNorms:
     linear: bool = False
 
 
-class _SplitQKVRMSNorm(torch.autograd.Function):
-    """Split a fused projection into heads and RMS-normalize queries and keys, with a hand-written backward.
-
-    Input ``qkv`` is ``(B, T, 3 C)``; outputs ``q, k, v`` are contiguous ``(B, nh, T, hs)`` with
-    ``q = x_q * rsqrt(mean(x_q^2) + eps) * w_q`` (likewise ``k``).  Compared with the autograd composition
-    (split, permute, norm, mul) it makes fewer passes over memory, writes the gradient of the projection
-    directly in its own layout (no zero fill, stack or copy) and reads everything contiguously.  Its plain
-    twin is :class:`QKNorm` (used by ``forward_reference``; the tests check both agree, gradients too).
-    """
-
-    @staticmethod
-    def forward(ctx, qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float,  # type: ignore[override]
-                num_heads: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        B, T, C3 = qkv.shape
-        hd = C3 // (3 * num_heads)
-        x = qkv.view(B, T, 3, num_heads, hd).permute(2, 0, 3, 1, 4)  # (3, B, nh, T, hs) view
-        ms = torch.linalg.vector_norm(x[:2], dim=-1, keepdim=True).square_().mul_(1.0 / hd)
-        r = torch.rsqrt(ms.add_(eps))  # (2, B, nh, T, 1)
-        xhat = torch.empty((2, B, num_heads, T, hd), dtype=qkv.dtype, device=qkv.device)
-        torch.mul(x[:2], r, out=xhat)
-        w = torch.stack([wq, wk])[:, None, None, None, :]  # (2, 1, 1, 1, hs)
-        qk = xhat * w
-        v = x[2].contiguous()
-        ctx.save_for_backward(xhat, r, w)
-        ctx.needs_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        return qk[0], qk[1], v
-
-    @staticmethod
-    def backward(ctx, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor):  # type: ignore[override]
-        xhat, r, w = ctx.saved_tensors
-        _, B, nh, T, hd = xhat.shape
-        dqkv = torch.empty((B, T, 3 * nh * hd), dtype=xhat.dtype, device=xhat.device)
-        dview = dqkv.view(B, T, 3, nh, hd).permute(2, 0, 3, 1, 4)
-        if dv is None:
-            dview[2].zero_()
-        else:
-            dview[2].copy_(dv)
-        dws = []
-        for c, dy in enumerate((dq, dk)):  # per half: no stacking copy of the incoming gradients
-            if dy is None:
-                dview[c].zero_()
-                dws.append(None)
-                continue
-            xh, wc = xhat[c], w[c]
-            g = dy * wc
-            if g.dtype != xh.dtype:  # autocast: low-precision activations, float32 scales and gradients
-                xh = xh.to(g.dtype)
-            m = torch.linalg.vecdot(xh, g, dim=-1).unsqueeze_(-1).mul_(1.0 / hd)
-            g = torch.addcmul(g, xh, m, value=-1.0)  # g - xhat mean(xhat g)
-            if g.dtype == dview.dtype:
-                torch.mul(g, r[c], out=dview[c])
-            else:
-                dview[c].copy_(g * r[c])
-            dws.append((dy * xh).sum(dim=(0, 1, 2)) if ctx.needs_w else None)
-        dwq, dwk = dws
-        return dqkv, dwq, dwk, None, None
-
-
-class QKNorm(nn.Module):
-    """Per-head normalization of queries or keys over the head dimension.
-
-    Args:
-        dim: head dimension ``d_k``.
-        kind: ``"rms"`` (``g * x / sqrt(mean(x^2) + eps)``), ``"l2"`` (``g * x / sqrt(||x||^2 + eps)``)
-            or ``"layer"`` (LayerNorm with weight and bias).
-        eps: the ``eps`` above (``> 0``: it bounds the normalization's Jacobian by ``||g||_inf / sqrt(eps)``).
-    """
-
-    def __init__(self, dim: int, kind: str = "rms", *, eps: float = 1e-6, device=None, dtype=None) -> None:
-        super().__init__()
-        self.dim = check_int("dim", dim)
-        self.kind = check_choice("qk_norm", kind, _QK_NORMS)
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-            raise ValueError(f"eps must be a number > 0 (it bounds the Jacobian of the normalization), got {eps!r}")
-        self.eps = float(eps)
-        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
-        if kind == "layer":
-            self.bias = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype))
-        else:
-            self.register_parameter("bias", None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == "rms":
-            return F.rms_norm(x, (self.dim,), self.weight, self.eps)
-        if self.kind == "l2":
-            return F.rms_norm(x, (self.dim,), self.weight, self.eps / self.dim) * (self.dim ** -0.5)
-        return F.layer_norm(x, (self.dim,), self.weight, self.bias, self.eps)
-
-    def output_bound(self) -> float:
-        """``A``: an upper bound of the Euclidean norm of the output, whatever the input."""
-        return bounds.norm_bounds(self.kind, self.weight, self.bias, self.eps, numel=self.dim)[0]
-
-    def jacobian_bound(self) -> float:
-        """``G``: an upper bound of the spectral norm of the Jacobian, at every input."""
-        return bounds.norm_bounds(self.kind, self.weight, self.bias, self.eps, numel=self.dim)[1]
-
-    def extra_repr(self) -> str:
-        return f"{self.dim}, kind={self.kind!r}, eps={self.eps:g}"
-
-
 class _SelfAttention(nn.Module):
     """Shared implementation of :class:`Attention` and :class:`QKNormAttention`."""
 
@@ -245,7 +146,7 @@ class _SelfAttention(nn.Module):
             self.q_norm: nn.Module = nn.Identity()
             self.k_norm: nn.Module = nn.Identity()
         else:
-            self.qk_norm = check_choice("qk_norm", qk_norm, _QK_NORMS)
+            self.qk_norm = check_choice("qk_norm", qk_norm, QK_NORMS)
             self.q_norm = QKNorm(self.head_dim, qk_norm, eps=qk_norm_eps, **dd)
             self.k_norm = QKNorm(self.head_dim, qk_norm, eps=qk_norm_eps, **dd)
         self.add_module(self._out_name, nn.Linear(dim, dim, bias=bool(proj_bias), **dd))
@@ -278,7 +179,7 @@ class _SelfAttention(nn.Module):
             if self.qk_norm == "l2":  # g x / sqrt(||x||^2 + eps) = (g / sqrt(hs)) x / sqrt(mean(x^2) + eps / hs)
                 c = self.head_dim ** -0.5
                 wq, wk, eps = wq * c, wk * c, eps / self.head_dim
-            return _SplitQKVRMSNorm.apply(self.in_proj(x), wq, wk, eps, self.num_heads)  # each (B, nh, T, hs)
+            return SplitQKVRMSNorm.apply(self.in_proj(x), wq, wk, eps, self.num_heads)  # each (B, nh, T, hs)
         qkv = self.in_proj(x).view(B, T, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, nh, T, hs)
         return self.q_norm(q), self.k_norm(k), v
@@ -512,7 +413,7 @@ class _SelfAttention(nn.Module):
     # -- conversion -----------------------------------------------------------------------------------------
     @classmethod
     def _from_module(cls, src: nn.Module, qk_norm_required: bool, **overrides: Any) -> _SelfAttention:
-        kind, cfg, sd = _read_source(src)
+        kind, cfg, sd = read_source(src)
         src_norm = cfg.pop("qk_norm")
         if src_norm is not None and not qk_norm_required:
             raise ValueError(f"{type(src).__name__} normalizes queries and keys ({src_norm}); convert it with "
@@ -531,101 +432,6 @@ class _SelfAttention(nn.Module):
                     sd[key] = value
         block.load_state_dict(sd, strict=True)
         return block
-
-
-def _linear_sd(prefix: str, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Dict[str, torch.Tensor]:
-    out = {f"{prefix}.weight": weight.detach().clone()}
-    if bias is not None:
-        out[f"{prefix}.bias"] = bias.detach().clone()
-    return out
-
-
-def _norm_kind(norm: nn.Module) -> Tuple[Optional[str], Optional[float]]:
-    """Map a source's q_norm/k_norm module to ``(kind, eps)``."""
-    if isinstance(norm, nn.Identity):
-        return None, None
-    name = type(norm).__name__
-    eps = getattr(norm, "eps", None)
-    weight = getattr(norm, "weight", None)
-    if eps is None or not isinstance(weight, torch.Tensor):
-        raise ValueError(f"unsupported QK-norm module {name}: need an affine RMSNorm or LayerNorm with eps")
-    if isinstance(norm, nn.LayerNorm) or "LayerNorm" in name:
-        if getattr(norm, "bias", None) is None:
-            raise ValueError(f"unsupported QK-norm module {name} without bias")
-        return "layer", float(eps)
-    if isinstance(norm, nn.RMSNorm) or "RmsNorm" in name or "RMSNorm" in name:
-        return "rms", float(eps if eps is not None else torch.finfo(weight.dtype).eps)
-    raise ValueError(f"unsupported QK-norm module {name}: need an affine RMSNorm or LayerNorm")
-
-
-def _read_source(src: nn.Module) -> Tuple[str, Dict[str, Any], Dict[str, torch.Tensor]]:
-    """Recognize a source attention module; return its kind, constructor config and a state dict in block names."""
-    if not isinstance(src, nn.Module):
-        raise TypeError(f"src must be an nn.Module, got {type(src).__name__}")
-    if hasattr(src, "c_attn") and hasattr(src, "c_proj"):
-        w_in, w_out = src.c_attn.weight, src.c_proj.weight
-        is_hf = type(src.c_attn).__name__ == "Conv1D" and hasattr(src.c_attn, "nf")
-        if is_hf:  # HF GPT2Attention: Conv1D weights are (in, out)
-            if getattr(src, "is_cross_attention", False):
-                raise ValueError("cross-attention GPT2Attention is not self-attention; it cannot be converted")
-            dim, heads = int(src.embed_dim), int(src.num_heads)
-            hd = dim // heads
-            scaling = float(getattr(src, "scaling", hd ** -0.5))
-            if not math.isclose(scaling, hd ** -0.5, rel_tol=1e-12):
-                raise ValueError(f"GPT2Attention with logit scale {scaling} (scale_attn_weights=False or "
-                                 "scale_attn_by_inverse_layer_idx) is not supported; pass scale= to the block")
-            w_in, w_out = w_in.T, w_out.T
-            kind = "hf_gpt2"
-            attn_p, resid_p = src.attn_dropout.p, src.resid_dropout.p
-            causal = bool(getattr(src, "is_causal", True))
-        else:  # nanoGPT CausalSelfAttention
-            dim, heads = int(src.n_embd), int(src.n_head)
-            kind = "nanogpt"
-            attn_p = src.attn_dropout.p if hasattr(src, "attn_dropout") else float(getattr(src, "dropout", 0.0))
-            resid_p = src.resid_dropout.p if hasattr(src, "resid_dropout") else float(getattr(src, "dropout", 0.0))
-            causal = True
-        if tuple(w_in.shape) != (3 * dim, dim) or tuple(w_out.shape) != (dim, dim):
-            raise ValueError(f"{type(src).__name__}: c_attn/c_proj shapes {tuple(w_in.shape)}/{tuple(w_out.shape)} "
-                             f"do not match dim={dim}")
-        sd = {**_linear_sd("c_attn", w_in, src.c_attn.bias), **_linear_sd("c_proj", w_out, src.c_proj.bias)}
-        cfg = dict(dim=dim, num_heads=heads, causal=causal, qkv_bias=src.c_attn.bias is not None,
-                   proj_bias=src.c_proj.bias is not None, attn_dropout=float(attn_p), resid_dropout=float(resid_p),
-                   naming="gpt2", qk_norm=None)
-        norm_kind = None
-        if hasattr(src, "q_norm") and hasattr(src, "k_norm"):
-            norm_kind, eps = _norm_kind(src.q_norm)
-            if norm_kind is not None:
-                cfg["qk_norm"], cfg["qk_norm_eps"] = norm_kind, eps
-                for n in ("q_norm", "k_norm"):
-                    sd.update({f"{n}.{k}": v.detach().clone() for k, v in getattr(src, n).state_dict().items()})
-        cfg.update(device=w_in.device, dtype=w_in.dtype)
-        return kind, cfg, sd
-    if hasattr(src, "qkv") and hasattr(src, "proj") and hasattr(src, "num_heads"):  # timm Attention
-        heads, hd = int(src.num_heads), int(src.head_dim)
-        dim = src.qkv.in_features
-        if heads * hd != dim or src.proj.out_features != dim:
-            raise ValueError(f"timm Attention with attn_dim {heads * hd} or dim_out {src.proj.out_features} "
-                             f"different from dim {dim} is not supported")
-        if getattr(src, "gate", None) is not None:
-            raise ValueError("timm Attention(gated=True) is not supported")
-        if not isinstance(getattr(src, "norm", nn.Identity()), nn.Identity):
-            raise ValueError("timm Attention(scale_norm=True) is not supported")
-        if not math.isclose(float(src.scale), hd ** -0.5, rel_tol=1e-12):
-            raise ValueError(f"timm Attention with scale {src.scale} != head_dim**-0.5 is not supported")
-        norm_kind, eps = _norm_kind(src.q_norm)
-        k_kind, _ = _norm_kind(src.k_norm)
-        if k_kind != norm_kind:
-            raise ValueError(f"q_norm ({norm_kind}) and k_norm ({k_kind}) must be the same kind")
-        cfg = dict(dim=dim, num_heads=heads, causal=False, qkv_bias=src.qkv.bias is not None,
-                   proj_bias=src.proj.bias is not None, attn_dropout=float(src.attn_drop.p),
-                   resid_dropout=float(src.proj_drop.p), naming="timm", qk_norm=norm_kind,
-                   device=src.qkv.weight.device, dtype=src.qkv.weight.dtype)
-        if norm_kind is not None:
-            cfg["qk_norm_eps"] = eps
-        sd = {k: v.detach().clone() for k, v in src.state_dict().items()}
-        return "timm", cfg, sd
-    raise TypeError(f"cannot convert {type(src).__name__}: expected nanoGPT CausalSelfAttention (c_attn, c_proj, "
-                    "n_head, n_embd), HF GPT2Attention or timm Attention (qkv, proj, num_heads)")
 
 
 class Attention(_SelfAttention):
@@ -691,7 +497,7 @@ class QKNormAttention(_SelfAttention):
                  qkv_bias: Optional[bool] = None, proj_bias: Optional[bool] = None, scale: Optional[float] = None,
                  naming: str = "gpt2", device=None, dtype=None) -> None:
         if qk_norm is None:
-            raise ValueError(f"qk_norm must be one of {_QK_NORMS}, got None (use Attention for no QK-norm)")
+            raise ValueError(f"qk_norm must be one of {QK_NORMS}, got None (use Attention for no QK-norm)")
         super().__init__(dim, num_heads, causal=causal, bias=bias, qkv_bias=qkv_bias, proj_bias=proj_bias,
                          qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, attn_dropout=attn_dropout,
                          resid_dropout=resid_dropout, scale=scale, naming=naming, device=device, dtype=dtype)

@@ -143,10 +143,10 @@ def test_attention_peak_is_the_logits_and_is_nearly_attained():
 def test_mamba_peak_bounds_the_scan_state(kind, monkeypatch):
     # the reference scan is a per-step loop: the state h_t, delta, B, C and the gate are all visible; the
     # per-token normalization is a primitive (as layer_norm is): its output counts, its float32 internals not
-    from certblocks.blocks import mamba as mamba_module
+    from certblocks.blocks import mixer as mixer_module
     from certblocks.blocks.mamba import LinearGrowthMamba, Mamba
 
-    monkeypatch.setattr(mamba_module, "_normalize_tokens", cbt.as_atom(mamba_module._normalize_tokens))
+    monkeypatch.setattr(mixer_module, "normalize_tokens", cbt.as_atom(mixer_module.normalize_tokens))
     torch.manual_seed(5)
     cls = LinearGrowthMamba if kind == "linear_growth" else Mamba
     block = cls(D, d_state=4, d_conv=3, expand=2, dt_rank=2).eval()  # the scan kernels take float32

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from certblocks.blocks.mamba import DEFAULT_EPS, LinearGrowthMamba, Mamba, _normalize_tokens
+from certblocks.blocks.mamba import DEFAULT_EPS, LinearGrowthMamba, Mamba
+from certblocks.blocks.mixer import normalize_tokens
 from certblocks.exponents import Exponents
 
 D_MODEL, D_STATE, L = 16, 8, 12
@@ -260,7 +261,7 @@ def test_step_matches_mamba_ssm_step(mamba_ssm_ref):
 # --------------------------------------------------------------------------- eps safety, dtypes
 
 def test_all_zero_tokens_are_finite_with_finite_gradients():
-    p = _normalize_tokens(torch.zeros(2, 5, 3, requires_grad=True), dim=1, eps=DEFAULT_EPS)
+    p = normalize_tokens(torch.zeros(2, 5, 3, requires_grad=True), dim=1, eps=DEFAULT_EPS)
     assert torch.equal(p, torch.zeros(2, 5, 3))
     blk = LinearGrowthMamba(D_MODEL, **KW, conv_bias=False)  # bias-free: a zero input gives zero conv tokens
     x = torch.zeros(2, L, D_MODEL, requires_grad=True)
@@ -273,7 +274,7 @@ def test_all_zero_tokens_are_finite_with_finite_gradients():
 
 def test_normalization_is_overflow_safe_in_fp16():
     x = torch.full((1, 64, 2), 60000.0, dtype=torch.float16)  # sum of squares overflows fp16
-    p = _normalize_tokens(x, dim=1, eps=DEFAULT_EPS)
+    p = normalize_tokens(x, dim=1, eps=DEFAULT_EPS)
     assert torch.isfinite(p).all()
     torch.testing.assert_close(p.float().norm(dim=1), torch.ones(1, 2), rtol=1e-3, atol=1e-3)
 

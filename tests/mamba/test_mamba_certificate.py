@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import certblocks.testing as cbt
-from certblocks.blocks.mamba import LinearGrowthMamba, Mamba, _decay_sums
+from certblocks.blocks.mamba import LinearGrowthMamba, Mamba, decay_sums
 from certblocks.certificate import BlockCertificate
 
 D_MODEL, L = 8, 10
@@ -93,8 +93,8 @@ def test_decay_sum_tail_is_an_upper_bound():
     dmin = 0.01 * torch.rand(d, generator=g, dtype=torch.float64)
     A = -torch.rand(d, n, generator=g, dtype=torch.float64) - 0.1
     for seq_len in (7, 300, 3000):
-        exact = _decay_sums(dmax, mrow, A, dmin, seq_len, exact_terms=seq_len)
-        tail = _decay_sums(dmax, mrow, A, dmin, seq_len, exact_terms=5)
+        exact = decay_sums(dmax, mrow, A, dmin, seq_len, exact_terms=seq_len)
+        tail = decay_sums(dmax, mrow, A, dmin, seq_len, exact_terms=5)
         for e, t in zip(exact, tail):
             assert t >= e * (1 - 1e-12)
         assert exact[0] <= seq_len * float(dmax.max()) * (1 + 1e-12)
