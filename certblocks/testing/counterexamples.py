@@ -43,7 +43,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from .certificate import BlockCertificate
+from ..certificate import BlockCertificate
 
 __all__ = ["CHECKS", "DEFAULT_RADII", "DEFAULT_RTOL", "FAMILIES", "CheckResult", "SoundnessReport", "as_atom",
            "assert_sound", "jacobian_norm_lower", "largest_intermediate", "random_inputs", "search", "search_growth",
