@@ -1,0 +1,107 @@
+"""A lower bound of the Jacobian's per-token operator norm: :func:`jacobian_norm_lower`.
+
+An alternating (power-iteration) maximization with Jacobian-vector products (forward-mode AD or central
+differences) and vector-Jacobian products.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+from ._constants import Velocity
+from .inputs import _check_count, _per_sample, _tokens, _unit_tokens, token_norm
+
+
+def _jvp(f: Velocity, x: Tensor, v: Tensor, mode: str) -> Tensor:
+    """``J(x) v`` in float64: forward-mode AD, or central differences with a step relative to ``||x||``."""
+    if mode == "forward":
+        return torch.func.jvp(f, (x,), (v,))[1].to(torch.float64)
+    h = 1e-6 * token_norm(x).clamp_min(1e-3)
+    diff = f(x + _per_sample(h, x) * v).to(torch.float64) - f(x - _per_sample(h, x) * v).to(torch.float64)
+    return diff / _per_sample(2 * h, diff)
+
+
+def _resolve_jvp(f: Velocity, x: Tensor, mode: str) -> str:
+    """``"auto"``: ``"forward"`` when ``f`` supports forward-mode AD, else ``"central"``."""
+    if mode not in ("auto", "forward", "central"):
+        raise ValueError(f"jvp must be 'auto', 'forward' or 'central', got {mode!r}")
+    if mode != "auto":
+        return mode
+    try:
+        torch.func.jvp(f, (x,), (torch.ones_like(x),))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return "central"
+    return "forward"
+
+
+def _jacobian_lower(f: Velocity, x: Tensor, iters: int, gen: torch.Generator, mode: str) -> Tuple[Tensor, Tensor]:
+    """Per-sample lower bounds of ``||dv(x)||`` and the tangents (per-token norm 1) attaining them.
+
+    For an output token ``i`` and a unit vector ``u``, ``sum_j ||J_ij^T u||`` equals ``<u, (J w)_i>`` for
+    the tangent ``w_j = normalize(J_ij^T u)``, so it and ``||(J w)_i||`` are at most the norm.  Alternating
+    ``w <- normalize(J_i.^T u)``, ``u <- normalize((J w)_i)`` raises both (power iteration for one token).
+    Each output token of each sample is one row of a batch; the vector-Jacobian products reuse one graph.
+    Jacobian-vector products only choose ``u``, and count as scores only when exact (``mode="forward"``).
+    """
+    B, x = x.shape[0], x.detach()
+    with torch.no_grad():
+        out_shape = f(x[:1]).shape[1:]
+    T, d_out = math.prod(out_shape[:-1]), out_shape[-1]
+    X = x.repeat_interleave(T, dim=0).requires_grad_(True)  # row k reads output token k % T
+    rows = torch.arange(B * T, device=x.device)
+    tok = rows % T
+    with torch.enable_grad():
+        out = f(X)
+    u = torch.randn(B * T, d_out, generator=gen, dtype=torch.float64).to(x.device)
+    best = torch.zeros(B * T, dtype=torch.float64, device=x.device)
+    best_w = torch.zeros_like(X)
+    for it in range(iters + 1):
+        u_out = u.to(out.dtype)
+        cot = torch.zeros(B * T, T, d_out, dtype=out.dtype, device=x.device)
+        cot[rows, tok] = u_out
+        g = _tokens(torch.autograd.grad(out, X, cot.reshape(out.shape), retain_graph=True)[0].to(torch.float64))
+        score = g.norm(dim=-1).sum(-1) / u_out.to(torch.float64).norm(dim=-1).clamp_min(1e-300)
+        w = _unit_tokens(g).reshape(X.shape).to(x.dtype)
+        better = score > best
+        best, best_w[better] = torch.where(better, score, best), w[better]
+        if it == iters:
+            break
+        with torch.no_grad():
+            jw = _tokens(_jvp(f, X.detach(), w, mode))[rows, tok]
+        jn = jw.norm(dim=-1)
+        if mode == "forward":
+            better = jn > best
+            best, best_w[better] = torch.where(better, jn, best), w[better]
+        fresh = torch.randn(B * T, d_out, generator=gen, dtype=torch.float64).to(x.device)
+        u = torch.where(((jn > 0) & torch.isfinite(jn))[:, None], jw, fresh)
+        u = u / u.norm(dim=-1, keepdim=True)
+    best = best.reshape(B, T)
+    idx = best.argmax(dim=1)
+    return best.gather(1, idx[:, None])[:, 0], best_w.reshape(B, T, *x.shape[1:])[torch.arange(B), idx].detach()
+
+
+def jacobian_norm_lower(f: Velocity, x: Tensor, *, iters: int = 25, seed: int = 0, jvp: str = "auto") -> Tensor:
+    """A lower bound of ``||dv(x)||`` (induced per-token operator norm) at each sample of ``x``.
+
+    An alternating maximization over the output token, the output direction and a tangent of
+    per-token norm 1 (power iteration with Jacobian-vector and vector-Jacobian products).  Every value
+    is attained by a tangent, so it never exceeds the norm (up to rounding); for a linear map it
+    converges to the norm.
+
+    Args:
+        f: the velocity, acting on each sample independently.
+        x: the states ``(B, *shape)``.
+        iters: alternating iterations.
+        seed: seed of the starting directions.
+        jvp: ``"forward"`` (``torch.func.jvp``), ``"central"`` (central differences: they only choose
+            directions, the scores stay exact) or ``"auto"`` (forward when ``f`` supports it).
+
+    Returns:
+        ``(B,)`` float64 lower bounds.
+    """
+    _check_count("iters", iters)
+    return _jacobian_lower(f, x, iters, torch.Generator().manual_seed(seed), _resolve_jvp(f, x[:1].detach(), jvp))[0]

@@ -1,0 +1,126 @@
+"""The intermediate recorder: the largest entry of every tensor a velocity computes from its input.
+
+A ``TorchFunctionMode`` sees every torch function call (:func:`largest_intermediate`); :func:`as_atom` makes a
+Python function one call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from ._constants import Velocity
+
+
+class _Recorder(TorchFunctionMode):
+    """Records ``max |entry|`` of every floating tensor a torch function returns that autograd reaches ``x`` from.
+
+    Masked attention logits carry a large negative sentinel (their exponential is 0): entries at or below
+    ``finfo.min / 4`` are not counted.
+    """
+
+    active: List[_Recorder] = []  # the recording modes, innermost last
+
+    def __init__(self, x: Tensor) -> None:
+        super().__init__()
+        self.x, self.batch, self.paused = x, x.shape[0], 0
+        self.reach: Dict[Any, bool] = {}  # autograd node -> whether it reaches x
+        self.values: List[Tensor] = []  # one scalar per recorded tensor
+        self.samples: List[Tensor] = []  # (B,) per recorded tensor whose first dimension is the batch
+
+    def __enter__(self) -> _Recorder:
+        _Recorder.active.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        _Recorder.active.pop()
+        super().__exit__(*exc)
+
+    def depends(self, t: Tensor) -> bool:
+        """Whether ``t`` is ``x`` or autograd reaches ``x`` from it (memoized graph search)."""
+        root = t.grad_fn
+        if t is self.x or root is None:
+            return t is self.x
+        if root not in self.reach:
+            seen, stack, found = {root}, [root], False
+            while stack and not found:
+                node = stack.pop()
+                found = (node is self.x.grad_fn or getattr(node, "variable", None) is self.x
+                         or self.reach.get(node, False))
+                for child, _ in node.next_functions:
+                    if child is not None and child not in seen and self.reach.get(child) is not False:
+                        seen.add(child)
+                        stack.append(child)
+            if found:
+                self.reach[root] = True
+            else:  # every node seen was explored to its leaves
+                self.reach.update(dict.fromkeys(seen, False))
+        return self.reach[root]
+
+    def record(self, out: Any) -> None:
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, Tensor) and t.is_floating_point() and t.numel() and self.depends(t):
+                a = t.masked_fill(t <= torch.finfo(t.dtype).min / 4, 0.0).abs().to(torch.float64)
+                if t.dim() and t.shape[0] == self.batch:
+                    self.samples.append(a.reshape(self.batch, -1).amax(dim=1))
+                    self.values.append(self.samples[-1].amax())
+                else:
+                    self.values.append(a.amax())
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if not self.paused:
+            self.record(out)
+        return out
+
+
+def as_atom(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` seen as one primitive by the intermediate recorder: its output counts, its internals do not.
+
+    For a function the certificate treats as one primitive although it is written in several torch
+    calls, e.g. a normalization whose sum of squares runs in float32 (an overflow there maps the token to
+    0, not to inf or NaN), as the recorder treats ``layer_norm``.  Patch the wrapper where the module looks
+    ``fn`` up; outside a recording it only calls ``fn``.
+    """
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        mode = _Recorder.active[-1] if _Recorder.active else None
+        if mode is None:
+            return fn(*args, **kwargs)
+        mode.paused += 1
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            mode.paused -= 1
+        mode.record(out)
+        return out
+    wrapped.__wrapped__, wrapped.__name__, wrapped.__doc__ = fn, getattr(fn, "__name__", "atom"), fn.__doc__
+    return wrapped
+
+
+def _record(f: Velocity, x: Tensor) -> Tuple[Tensor, Tensor]:
+    """The largest ``|entry|`` computed from ``x`` (scalar) and a per-sample estimate ``(B,)`` that reads the
+    recorded tensors whose first dimension is the batch (it ranks the draws and drives every ascent)."""
+    if not x.requires_grad:
+        x = x.detach().requires_grad_(True)
+    with torch.enable_grad(), _Recorder(x) as mode:
+        mode.record(f(x))
+    zero = torch.zeros((), dtype=torch.float64, device=x.device)
+    total = torch.stack(mode.values).amax() if mode.values else zero
+    return total, torch.stack(mode.samples).amax(dim=0) if mode.samples else zero.expand(x.shape[0])
+
+
+def largest_intermediate(f: Velocity, x: Tensor) -> Tensor:
+    """The largest ``|entry|`` of every tensor ``f`` computes from ``x``, output included.
+
+    Every torch function call is seen, not its internals (``layer_norm``'s statistics, a fused attention's
+    logits: search a twin that writes them out); :func:`as_atom` makes a Python function one call.  A
+    tensor counts when autograd reaches ``x`` from it: tensors of the parameters alone never count, tensors
+    computed under ``torch.no_grad`` are not seen.
+
+    Returns:
+        A float64 scalar, differentiable with respect to ``x`` when ``x`` requires grad.
+    """
+    return _record(f, x)[0]

@@ -1,0 +1,118 @@
+"""What a search found: :class:`CheckResult` (one check's worst case) and :class:`SoundnessReport`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+from ._constants import DEFAULT_RTOL
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """The worst case one check found.
+
+    Attributes:
+        check: ``"growth"``, ``"jacobian"`` or ``"peak"``.
+        ratio: the largest value / bound found (``inf`` for a non-finite value).
+        value: the value there (``||v(x)||``, the Jacobian's lower estimate, the largest intermediate).
+        bound: the certificate's bound at that radius.
+        radius: ``||x||`` there.
+        input: that ``x``, ``(1, *shape)`` float64 on the CPU.
+        direction: for the Jacobian, the tangent (per-token norm 1) attaining ``value``.
+        evaluations: the number of inputs scored (random draws and ascent iterates).
+        rtol: the rounding allowance: the check passes when ``ratio <= 1 + rtol``.
+    """
+
+    check: str
+    ratio: float
+    value: float
+    bound: float
+    radius: float
+    input: Optional[Tensor]
+    direction: Optional[Tensor] = None
+    evaluations: int = 0
+    rtol: float = DEFAULT_RTOL
+
+    @property
+    def ok(self) -> bool:
+        """No counterexample: the worst ratio is at most ``1 + rtol``."""
+        return self.ratio <= 1.0 + self.rtol
+
+    def describe(self) -> str:
+        """One line: the check, the worst ratio, its radius, value against bound, the effort, the verdict."""
+        what = {"growth": "||v(x)||", "jacobian": "||dv(x)|| >=", "peak": "largest intermediate"}[self.check]
+        return (f"{self.check}: worst ratio {self.ratio:.6g} at radius {self.radius:.4g} ({what} {self.value:.6g}, "
+                f"bound {self.bound:.6g}; {self.evaluations} inputs) {'ok' if self.ok else 'COUNTEREXAMPLE'}")
+
+
+@dataclass(frozen=True)
+class SoundnessReport:
+    """What :func:`search` found, check by check (``None``: not run).
+
+    Attributes:
+        name: the certificate's name.
+        growth: the growth check's worst case.
+        jacobian: the Jacobian check's worst case.
+        peak: the peak check's worst case.
+    """
+
+    name: str
+    growth: Optional[CheckResult] = None
+    jacobian: Optional[CheckResult] = None
+    peak: Optional[CheckResult] = None
+
+    @property
+    def results(self) -> List[CheckResult]:
+        """The checks that ran, in :data:`CHECKS` order."""
+        return [r for r in (self.growth, self.jacobian, self.peak) if r is not None]
+
+    @property
+    def failures(self) -> List[CheckResult]:
+        """The checks that found a counterexample."""
+        return [r for r in self.results if not r.ok]
+
+    @property
+    def ok(self) -> bool:
+        """No check found a counterexample."""
+        return not self.failures
+
+    def __str__(self) -> str:
+        head = f"soundness search for {self.name}: {'no counterexample' if self.ok else 'COUNTEREXAMPLE'}"
+        return "\n".join([head] + ["  " + r.describe() for r in self.results])
+
+
+@dataclass
+class _Best:
+    """The running worst case of one check."""
+
+    check: str
+    rtol: float
+    ratio: float = -math.inf
+    value: float = 0.0
+    bound: float = math.nan
+    radius: float = 0.0
+    input: Optional[Tensor] = None
+    direction: Optional[Tensor] = None
+    evaluations: int = 0
+
+    def update(self, ratios: Tensor, values: Tensor, bound: float, radius: float, xs: Tensor,
+               dirs: Optional[Tensor] = None, counted: bool = True) -> None:
+        """Keep the worst of ``ratios`` (one per sample of ``xs``)."""
+        self.evaluations += int(ratios.numel()) if counted else 0
+        if not ratios.numel():
+            return
+        k = int(ratios.argmax())
+        if float(ratios[k]) > self.ratio:
+            self.ratio, self.value = float(ratios[k]), float(values.detach().reshape(-1)[k])
+            self.bound, self.radius = bound, radius
+            self.input = xs[k:k + 1].detach().to("cpu", torch.float64).clone()
+            self.direction = None if dirs is None else dirs[k:k + 1].detach().to("cpu", torch.float64).clone()
+
+    def result(self) -> CheckResult:
+        return CheckResult(self.check, max(self.ratio, 0.0), self.value, self.bound, self.radius, self.input,
+                           self.direction, self.evaluations, self.rtol)
