@@ -112,7 +112,9 @@ class CertifiedStack(nn.Module):
     Build it with :func:`build_stack`.  ``certificate`` is never stale: reading it recomputes the
     certificate when any parameter or buffer changed since the last computation (their identities and
     version counters, which every in-place update, optimizer step and ``load_state_dict`` bumps);
-    :meth:`recertify` forces the computation and can raise when the stack is no longer certified.
+    :meth:`recertify` forces the computation and can raise when the stack is no longer certified.  A write
+    that hides from the version counter (``torch.autograd._unsafe_preserve_version_counter``, as FSDP2 uses
+    for its gathered copies) is not seen: call :meth:`recertify` after one.
 
     Attributes:
         blocks: the velocities, in depth order.

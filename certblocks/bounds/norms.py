@@ -26,16 +26,15 @@ Above :data:`EXACT_LIMIT` on the smaller side the eigenvalue problem gets slow (
 Gram-power bound ``||W||_2 <= ||G^p||_F^(1/(2p))`` (``p = 2^6``) is used: rigorous, at most a factor
 ``k^(1/(4p))`` above the exact norm (``1.03`` at ``k = 8192``), with its own rounding margin.
 
-Results are cached per tensor (identity, storage, shape and version counter: an optimizer step
-invalidates them).
+Nothing is cached here: a weight can change without its version counter moving (FSDP2 gathers into
+reused storage), so every call computes; callers cache whole certificates where they can tell.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import weakref
-from typing import Callable, Dict, Hashable, Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional
 
 import torch
 
@@ -54,7 +53,6 @@ __all__ = [
     "row_norm_max",
     "inf_norm",
     "rounded_up",
-    "clear_cache",
     "one_thread",
 ]
 
@@ -103,31 +101,6 @@ def one_thread() -> Iterator[None]:
             torch.set_num_threads(n)
 
 
-_CACHE: Dict[Hashable, Tuple[weakref.ref[torch.Tensor], float]] = {}
-_CACHE_SIZE = 8192
-
-
-def clear_cache() -> None:
-    """Forget every cached norm (the cache is keyed on tensor versions; this is rarely needed)."""
-    _CACHE.clear()
-
-
-def _cached(kind: str, t: torch.Tensor, fn: Callable[[], float]) -> float:
-    """``fn()``, cached per live tensor: identity (a weak reference), storage, shape, strides and version."""
-    key = (kind, id(t), t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0]() is t:
-        return hit[1]
-    value = fn()
-    if len(_CACHE) >= _CACHE_SIZE:
-        _CACHE.clear()
-    try:
-        _CACHE[key] = (weakref.ref(t), value)
-    except TypeError:  # a tensor subclass without weak references: not cached
-        pass
-    return value
-
-
 # ---------------------------------------------------------------------------------------------- vectors
 def vec_norm(v: Optional[torch.Tensor]) -> float:
     """Euclidean norm of all entries (``0`` for ``None``), rounded up."""
@@ -149,8 +122,7 @@ def row_norm_max(w: torch.Tensor) -> float:
         return 0.0
     if w.ndim == 0:
         return float(abs(float(w)))
-    return _cached("rows", w, lambda: rounded_up(float(torch.linalg.vector_norm(
-        w.detach(), dim=-1, dtype=torch.float64).max()), w.shape[-1]))
+    return rounded_up(float(torch.linalg.vector_norm(w.detach(), dim=-1, dtype=torch.float64).max()), w.shape[-1])
 
 
 def inf_norm(w: torch.Tensor) -> float:
@@ -224,7 +196,7 @@ def op_norm(w: torch.Tensor) -> float:
         return vec_norm(w)
     if w.numel() == 0:
         return 0.0
-    return _cached("op", w, lambda: _op_norm_uncached(w))
+    return _op_norm_uncached(w)
 
 
 def op_norm_tensor(w: torch.Tensor) -> torch.Tensor:

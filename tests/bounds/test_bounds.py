@@ -86,22 +86,17 @@ def test_gram_power_bound_above_the_exact_limit(monkeypatch):
     w = torch.randn(40, 30, dtype=torch.float64)
     exact = float(torch.linalg.matrix_norm(w, ord=2))
     monkeypatch.setattr(norms, "EXACT_LIMIT", 10)
-    bound = norms.op_norm(w.clone())
+    bound = norms.op_norm(w)
     assert exact <= bound <= exact * 30 ** (1 / 256) * 1.001
 
 
-def test_op_norm_cache_follows_in_place_updates():
+def test_op_norm_follows_in_place_updates():
     torch.manual_seed(3)
     p = torch.nn.Parameter(torch.randn(20, 10, dtype=torch.float64))
     first = bounds.op_norm(p)
-    with torch.no_grad():
-        p.mul_(2.0)  # bumps the version counter
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(p):
+        p.mul_(2.0)  # as FSDP2 writes gathered weights: the version counter does not move
     assert math.isclose(bounds.op_norm(p), 2 * first, rel_tol=1e-12)
-    t = torch.randn(20, 10, dtype=torch.float64)
-    n1 = bounds.op_norm(t)
-    del t
-    u = torch.zeros(20, 10, dtype=torch.float64)  # may reuse the storage and the id: must not hit the cache
-    assert bounds.op_norm(u) == 0.0 and n1 > 0
 
 
 def test_tensor_op_norm_matches_the_float_one():
