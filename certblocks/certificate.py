@@ -21,7 +21,8 @@ from typing import Any, Dict, Sequence, Tuple, Union
 from . import budget as _budget
 from .exponents import Exponents
 
-__all__ = ["BlockCertificate", "Depths", "Failure", "Peak", "StackCertificate", "certify_stack", "suggest_fix"]
+__all__ = ["BlockCertificate", "Depths", "Failure", "Peak", "StackCertificate", "certify_stack", "json_number",
+           "suggest_fix"]
 
 Depth = Union[int, float]
 
@@ -38,7 +39,7 @@ def _fmt_num(x: float | None) -> str:
     return f"{x:.4g}"
 
 
-def _json_num(x: Any) -> Any:
+def json_number(x: Any) -> Any:
     """JSON has no inf/nan and loses big ints in many readers: inf -> "inf", huge ints stay ints."""
     if isinstance(x, float):
         if math.isinf(x):
@@ -245,7 +246,7 @@ class Depths:
         return cls(dtype, M, f, g, cert, None if fwd is None else fwd.depth, None if bwd is None else bwd.depth, exact)
 
     def to_dict(self) -> Dict[str, Any]:
-        return {k: _json_num(getattr(self, k)) for k in
+        return {k: json_number(getattr(self, k)) for k in
                 ("dtype", "max_value", "forward", "backward", "certified", "forward_overflow", "backward_overflow",
                  "exact")}
 
@@ -363,10 +364,10 @@ class StackCertificate:
             "backward_depth": self.backward_depth, "certified_depth": self.certified_depth,
             "first_failure": None if self.first_failure is None else self.first_failure.to_dict(),
             "updates": [
-                {**u.to_dict(), "radius_in": _json_num(self.radii[k]), "log_factor": _json_num(self.log_factors[k])}
+                {**u.to_dict(), "radius_in": json_number(self.radii[k]), "log_factor": json_number(self.log_factors[k])}
                 for k, u in enumerate(self.updates)
             ],
-            "radius_out": _json_num(self.radii[-1]),
+            "radius_out": json_number(self.radii[-1]),
         }
 
     def to_json(self, **kwargs: Any) -> str:

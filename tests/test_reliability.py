@@ -49,7 +49,8 @@ def test_monitor_records_and_alerts_on_non_finite_weights_without_raising():
     with pytest.warns(Warning, match=r"blocks\.2\.fc2\.weight has 1 non-finite entry"):
         rec = monitor.step()
     assert rec is not None and rec["stack/ok"] is False and "blocks.2.fc2.weight" in rec["nonfinite"]
-    assert monitor.alerts[-1]["quantity"] == "non-finite weights" and monitor.alerts[-1]["update"] == "blocks.2.fc2.weight"
+    alert = monitor.alerts[-1]
+    assert alert["quantity"] == "non-finite weights" and alert["update"] == "blocks.2.fc2.weight"
     monitor.remove()
 
 

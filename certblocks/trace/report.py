@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import json
-import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
-from ..certificate import BlockCertificate, StackCertificate, certify_stack
+from ..certificate import BlockCertificate, StackCertificate, certify_stack, json_number
 from ..exponents import Exponents
 from .values import AValue
 
@@ -183,12 +182,9 @@ class ModelCertificate:
 
 
 def jsonable(x: Any) -> Any:
+    """``x`` with every float made JSON-safe (inf -> ``"inf"``, NaN -> ``None``), through dicts, lists and tuples."""
     if isinstance(x, float):
-        if math.isinf(x):
-            return "inf" if x > 0 else "-inf"
-        if math.isnan(x):
-            return None
-        return x
+        return json_number(x)
     if isinstance(x, dict):
         return {k: jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from certblocks.blocks.attention import Attention, QKNormAttention

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from certblocks.certificate import BlockCertificate
+from certblocks.cli.certify import ModelSpecError, add_certify_parser, load_model, run_certify
 from certblocks.exponents import Exponents
 from certblocks.trace import (
     ModelCertificate,
@@ -23,7 +24,6 @@ from certblocks.trace import (
     registered_atoms,
     unregister_atom,
 )
-from certblocks.cli.certify import ModelSpecError, add_certify_parser, load_model, run_certify
 
 D = 6
 
