@@ -29,7 +29,7 @@ from typing import List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from certblocks._validation import check_bool, check_int, check_prob  # noqa: F401  (the families' checks)
+from certblocks._validation import check_bool, check_int
 from certblocks.bounds import one_thread
 from certblocks.budget import dtype_name
 from certblocks.certificate import BlockCertificate, StackCertificate, certify_stack

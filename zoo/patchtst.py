@@ -29,9 +29,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from certblocks._validation import check_int, check_prob
 from certblocks.blocks.patchtst import PatchTSTBlock
 
-from ._base import ZooModel, check_int, check_prob
+from ._base import ZooModel
 from ._layers import Patcher, RevIN, SeriesForecasterMixin
 from ._registry import register_model
 

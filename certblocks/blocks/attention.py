@@ -268,15 +268,15 @@ class _SelfAttention(nn.Module):
         """float64 CPU copies of the weights, per head where it matters: ``wq, wk, wv`` are ``(H, d_k, D)``,
         ``wo`` is ``(H, D, d_k)``, ``bq, bk`` are ``(H, d_k)`` or ``None``."""
         D, hd, H = self.dim, self.head_dim, self.num_heads
-        f64 = lambda t: None if t is None else t.detach().double().cpu()  # noqa: E731
-        w, b = f64(self.in_proj.weight), f64(self.in_proj.bias)
-        wo, bo = f64(self.out_proj.weight), f64(self.out_proj.bias)
-        heads = lambda t: t.reshape(H, hd, D)  # noqa: E731
-        bias = lambda t: None if b is None else t.reshape(H, hd)  # noqa: E731
-        return {"wq": heads(w[:D]), "wk": heads(w[D:2 * D]), "wv": heads(w[2 * D:]),
-                "wo": wo.reshape(D, H, hd).permute(1, 0, 2), "bq": bias(None if b is None else b[:D]),
-                "bk": bias(None if b is None else b[D:2 * D]), "b_in": b, "wo_full": wo, "wv_full": w[2 * D:],
-                "bv_full": None if b is None else b[2 * D:], "bo": bo}
+        w = self.in_proj.weight.detach().double().cpu()
+        wo = self.out_proj.weight.detach().double().cpu()
+        b = None if self.in_proj.bias is None else self.in_proj.bias.detach().double().cpu()
+        bo = None if self.out_proj.bias is None else self.out_proj.bias.detach().double().cpu()
+        return {"wq": w[:D].reshape(H, hd, D), "wk": w[D:2 * D].reshape(H, hd, D), "wv": w[2 * D:].reshape(H, hd, D),
+                "wo": wo.reshape(D, H, hd).permute(1, 0, 2),
+                "bq": None if b is None else b[:D].reshape(H, hd),
+                "bk": None if b is None else b[D:2 * D].reshape(H, hd),
+                "b_in": b, "wo_full": wo, "wv_full": w[2 * D:], "bv_full": None if b is None else b[2 * D:], "bo": bo}
 
     def _norms(self, seq_len: Optional[int]) -> AttentionNorms:
         """The norms of the current weights (exact up to the bounds layer's margin; heads batched)."""

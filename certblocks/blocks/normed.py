@@ -26,7 +26,7 @@ from ..certificate import BlockCertificate
 from ..exponents import NORM, Exponents
 from ..protocol import CapSlot, EnforceableBlock
 
-__all__ = ["NormedUpdate", "make_norm", "normalized_certificate", "norm_cap_slots", "norm_caps"]
+__all__ = ["NormedUpdate", "make_norm", "normalized_certificate", "normalized_cap_slots", "norm_cap_slots", "norm_caps"]
 
 _KINDS = ("layer", "rms")
 _PLACEMENTS = ("pre", "peri")
@@ -41,35 +41,55 @@ def make_norm(kind: str, d: int, eps: float = 1e-5, device=None, dtype=None) -> 
     raise ValueError(f"norm must be one of {_KINDS}, got {kind!r}")
 
 
-def normalized_certificate(branch: BlockCertificate, *, placement: str, kind: str, a_in: float,
-                           inner_jacobian: float, a_out: Optional[float] = None, g_out: Optional[float] = None,
+def normalized_certificate(branch: BlockCertificate, norm_in: nn.Module, norm_out: Optional[nn.Module], *,
+                           placement: str, kind: str, caps: Optional[Mapping[str, float]] = None,
                            name: str = "") -> BlockCertificate:
-    """The ``(0, 0)`` certificate of a pre/peri-normalized branch (module docstring).
+    """The ``(0, 0)`` certificate of a branch behind ``norm_in`` (pre), and before ``norm_out`` (peri).
+
+    From the normalizations' weights when ``caps`` is ``None`` (the Jacobian through
+    :func:`certblocks.bounds.prenorm_jacobian`); else from caps on their scales and biases (keys ``gamma_in``,
+    ``beta_in``, ``gamma_out``, ``beta_out``; the Jacobian ``L_F(A_in) G_in``).
 
     Args:
-        branch: the branch's certificate (exponents derived).
+        branch: the branch's certificate (exponents derived; from caps too when ``caps`` is given).
+        norm_in: the input LayerNorm/RMSNorm.
+        norm_out: the output one (``"peri"`` only; ignored for ``"pre"``).
         placement: ``"pre"`` or ``"peri"``.
         kind: the normalization (``"layer"``, ``"rms"``), for the labels.
-        a_in: bound of the input normalization's output norm.
-        inner_jacobian: bound of ``sup_x ||J_F(N_in x)|| ||J_N_in(x)||``.
-        a_out, g_out: the output normalization's bounds (``"peri"`` only).
+        caps: the caps, or ``None`` for the current weights.
         name: the certificate's label (default ``"<placement>-<kind>"``).
     """
     if branch.q is None or branch.sigma is None:
         raise ValueError(f"the branch's exponents are not derived: {branch}")
-    if placement == "pre":
-        c, l0 = branch.growth_bound(a_in), inner_jacobian
-    elif placement == "peri":
-        if a_out is None or g_out is None:
-            raise ValueError("a peri-normalized certificate needs a_out and g_out")
-        c, l0 = a_out, g_out * inner_jacobian
-    else:
+    if placement not in _PLACEMENTS:
         raise ValueError(f"placement must be one of {_PLACEMENTS}, got {placement!r}")
+    if caps is None:
+        a_in, _ = bounds.module_norm_bounds(norm_in)
+        inner = bounds.prenorm_jacobian(norm_in, branch.jacobian_bound)  # sup_x ||J_F(N_in x)|| ||J_N_in(x)||
+    else:
+        a_in, g_in = norm_caps(norm_in, caps, "in")
+        inner = branch.jacobian_bound(a_in) * g_in
+    if placement == "pre":
+        c, l0 = branch.growth_bound(a_in), inner
+    else:
+        if norm_out is None:
+            raise ValueError("a peri-normalized certificate needs norm_out")
+        a_out, g_out = bounds.module_norm_bounds(norm_out) if caps is None else norm_caps(norm_out, caps, "out")
+        c, l0 = a_out, g_out * inner
     label = f"{placement}-{kind}"
     peak = bounds.normalized_peak(branch.peak, branch.q, branch.c, branch.b, a_in, c,
                                   f"branch intermediates at the normalized radius ({label})")
     return BlockCertificate(0.0, 0.0, c=c, b=0.0, l1=0.0, l0=l0, name=name or label,
                             culprit=f"{label} norm bounds the branch input", peak=peak)
+
+
+def normalized_cap_slots(norm_in: nn.Module, norm_out: Optional[nn.Module], placement: str) -> List[CapSlot]:
+    """The slots of the normalizations around a branch (``gamma_in``, ``beta_in`` and, peri, ``_out``)."""
+    slots = norm_cap_slots(norm_in, "in")
+    if placement == "peri":
+        assert norm_out is not None
+        slots += norm_cap_slots(norm_out, "out")
+    return slots
 
 
 def norm_cap_slots(norm: nn.Module, tag: str) -> List[CapSlot]:
@@ -131,28 +151,15 @@ class NormedUpdate(nn.Module):
         """Certificate from the current weights (module docstring)."""
         check_cert_args(seq_len, r0)
         check_finite(self)
-        inner = self.branch.certificate(seq_len=seq_len)
-        a_in, _ = bounds.module_norm_bounds(self.norm)
-        a_out = g_out = None
-        if self.placement == "peri":
-            a_out, g_out = bounds.module_norm_bounds(self.norm_out)
-        return normalized_certificate(inner, placement=self.placement, kind=self.norm_kind, a_in=a_in,
-                                      inner_jacobian=bounds.prenorm_jacobian(self.norm, inner.jacobian_bound),
-                                      a_out=a_out, g_out=g_out)
+        return normalized_certificate(self.branch.certificate(seq_len=seq_len), self.norm, self.norm_out,
+                                      placement=self.placement, kind=self.norm_kind)
 
     def cap_slots(self) -> List[CapSlot]:
         """The branch's slots and the normalizations' (``gamma_in``, ``beta_in``, ``gamma_out``, ``beta_out``)."""
-        slots = _enforceable(self.branch).cap_slots() + norm_cap_slots(self.norm, "in")
-        if self.placement == "peri":
-            slots += norm_cap_slots(self.norm_out, "out")
-        return slots
+        return _enforceable(self.branch).cap_slots() + normalized_cap_slots(self.norm, self.norm_out, self.placement)
 
     def certificate_from_caps(self, caps: Mapping[str, float], *, seq_len: Optional[int] = None) -> BlockCertificate:
         """The certificate that holds while the branch's and the normalizations' tensors are within their caps."""
         inner = _enforceable(self.branch).certificate_from_caps(caps, seq_len=seq_len)
-        a_in, g_in = norm_caps(self.norm, caps, "in")
-        a_out = g_out = None
-        if self.placement == "peri":
-            a_out, g_out = norm_caps(self.norm_out, caps, "out")
-        return normalized_certificate(inner, placement=self.placement, kind=self.norm_kind, a_in=a_in,
-                                      inner_jacobian=inner.jacobian_bound(a_in) * g_in, a_out=a_out, g_out=g_out)
+        return normalized_certificate(inner, self.norm, self.norm_out, placement=self.placement, kind=self.norm_kind,
+                                      caps=caps)

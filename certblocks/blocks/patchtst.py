@@ -43,7 +43,7 @@ from ..exponents import ATTENTION, NORM, Exponents
 from ..protocol import CapSlot, EnforceableBlock
 from .attention import Attention, QKNormAttention
 from .mlp import MLP
-from .normed import norm_cap_slots, norm_caps, normalized_certificate
+from .normed import normalized_cap_slots, normalized_certificate
 
 __all__ = ["PatchTSTBlock", "PatchTSTUpdate", "TokenBatchNorm"]
 
@@ -181,14 +181,8 @@ class PatchTSTUpdate(nn.Module):
                                     cert.peak.what if cert.peak is not None else "BatchNorm output")
             cert = dataclasses.replace(cert, peak=peak)
             return _renamed(cert, name, note=" (BatchNorm folded in eval mode: an affine map, not a normalization)")
-        branch = self.branch.certificate(seq_len=seq_len)
-        a_in, _ = bounds.module_norm_bounds(self.norm_in)
-        a_out = g_out = None
-        if self.placement == "peri":
-            a_out, g_out = bounds.module_norm_bounds(self.norm_out)
-        return normalized_certificate(branch, placement=self.placement, kind=self.norm, a_in=a_in,
-                                      inner_jacobian=bounds.prenorm_jacobian(self.norm_in, branch.jacobian_bound),
-                                      a_out=a_out, g_out=g_out, name=name)
+        return normalized_certificate(self.branch.certificate(seq_len=seq_len), self.norm_in, self.norm_out,
+                                      placement=self.placement, kind=self.norm, name=name)
 
     def _check_enforceable(self) -> EnforceableBlock:
         if self.norm is not None and (self.norm not in ("layer", "rms") or self.placement not in ("pre", "peri")):
@@ -202,9 +196,7 @@ class PatchTSTUpdate(nn.Module):
         """The branch's slots and, when normalized, the norms' scales and biases (``gamma_in``, ``beta_in``, ...)."""
         slots = self._check_enforceable().cap_slots()
         if self.norm is not None:
-            slots += norm_cap_slots(self.norm_in, "in")
-            if self.placement == "peri":
-                slots += norm_cap_slots(self.norm_out, "out")
+            slots += normalized_cap_slots(self.norm_in, self.norm_out, self.placement)
         return slots
 
     def certificate_from_caps(self, caps: Mapping[str, float], *, seq_len: Optional[int] = None) -> BlockCertificate:
@@ -213,13 +205,8 @@ class PatchTSTUpdate(nn.Module):
         name = f"PatchTST.{self.kind}"
         if self.norm is None:
             return _renamed(branch, name)
-        a_in, g_in = norm_caps(self.norm_in, caps, "in")
-        a_out = g_out = None
-        if self.placement == "peri":
-            a_out, g_out = norm_caps(self.norm_out, caps, "out")
-        return normalized_certificate(branch, placement=self.placement, kind=self.norm, a_in=a_in,
-                                      inner_jacobian=branch.jacobian_bound(a_in) * g_in, a_out=a_out, g_out=g_out,
-                                      name=name)
+        return normalized_certificate(branch, self.norm_in, self.norm_out, placement=self.placement, kind=self.norm,
+                                      caps=caps, name=name)
 
 
 def _renamed(cert: BlockCertificate, name: str, note: str = "") -> BlockCertificate:
