@@ -9,6 +9,13 @@ finite in a floating-point format with largest finite value ``M`` while
   ``log Lip(G) + sum_{k<D} log(1 + dt * L_k(R_k))``, with
   ``L_k(R) = l1_k max(R, 1)^sigma_k + l0_k``, stays below ``log M``.
 
+A whole model also has *maps* between its updates (THEORY.md section 6: a stem,
+patch merging, a downsampling block, a scaling): ``X' = m(X)`` with
+``R' = c_m R^{q_m} + b_m`` and backward factor ``log L_m(R)`` (no ``1 +``, no
+``dt``).  A map's factor can be below 1, so the costate bound at every segment
+boundary is checked, not only at the input: the backward bound of the first
+``D`` segments is ``log Lip(G) + max_{j <= D} sum_{j <= k < D} log F_k``.
+
 The *overflow depth* of a bound is the first depth ``D`` at which it reaches
 ``M``; the certified depth is one less.
 
@@ -203,6 +210,14 @@ def _log1p_dn(x: float) -> float:
     return max(0.0, _dn(_dn(math.log1p(x)))) if x != _INF else _INF
 
 
+def _log_up(x: float) -> float:
+    return _up(_up(math.log(x))) if x != _INF else _INF
+
+
+def _log_dn(x: float) -> float:
+    return _dn(_dn(math.log(x))) if x != _INF else _INF
+
+
 @dataclass(frozen=True)
 class UpdateCoefficients:
     """The numbers of one residual update that the budgets need.
@@ -210,7 +225,8 @@ class UpdateCoefficients:
     ``sigma`` (and ``q``) may be ``None`` when not derived; the scans then stop
     certifying at that update.  ``pq, pc, pb`` bound the update's largest
     intermediate value, ``pc R^pq + pb`` at input radius ``R`` (``pq = None``: no
-    intermediate bound, only the state is checked).
+    intermediate bound, only the state is checked).  ``residual=False`` makes it a
+    map: ``R' = c R^q + b`` and backward factor ``log L(R)`` (``dt`` does not apply).
     """
 
     q: float | None
@@ -222,8 +238,11 @@ class UpdateCoefficients:
     pq: float | None = None
     pc: float = 0.0
     pb: float = 0.0
+    residual: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.residual, bool):
+            raise TypeError(f"residual must be a bool, got {self.residual!r}")
         for name in ("q", "sigma", "pq"):
             v = getattr(self, name)
             if v is not None:
@@ -234,12 +253,12 @@ class UpdateCoefficients:
 
 def _step_hi(R: float, u: UpdateCoefficients, dt: float) -> float:
     growth = _up(_up(u.c * _pow_up(R, u.q)) + u.b)  # type: ignore[arg-type]
-    return _up(R + _up(dt * growth))
+    return _up(R + _up(dt * growth)) if u.residual else growth
 
 
 def _step_lo(R: float, u: UpdateCoefficients, dt: float) -> float:
     growth = _dn(_dn(u.c * _pow_dn(R, u.q)) + u.b)  # type: ignore[arg-type]
-    return _dn(R + max(0.0, _dn(dt * max(0.0, growth))))
+    return _dn(R + max(0.0, _dn(dt * max(0.0, growth)))) if u.residual else max(0.0, growth)
 
 
 def _peak_hi(R: float, u: UpdateCoefficients) -> float:
@@ -250,14 +269,24 @@ def _peak_lo(R: float, u: UpdateCoefficients) -> float:
     return _dn(_dn(u.pc * _pow_dn(R, u.pq)) + u.pb)  # type: ignore[arg-type]
 
 
+#: A map's Jacobian bound below this is raised to it before the logarithm (a map with ``L = 0`` is constant:
+#: its factor would be ``-inf``; the floor keeps the sums finite and only weakens the bound).
+_TINY = 2.0**-1000
+_LOG_TINY = -1000 * math.log(2.0)
+
+
 def _factor_hi(R: float, u: UpdateCoefficients, dt: float) -> float:
     L = _up(_up(u.l1 * _pow_up(max(R, 1.0), u.sigma)) + u.l0)  # type: ignore[arg-type]
-    return _log1p_up(_up(dt * L))
+    if u.residual:
+        return _log1p_up(_up(dt * L))
+    return _log_up(max(L, _TINY))
 
 
 def _factor_lo(R: float, u: UpdateCoefficients, dt: float) -> float:
     L = _dn(_dn(u.l1 * _pow_dn(max(R, 1.0), u.sigma)) + u.l0)  # type: ignore[arg-type]
-    return _log1p_dn(max(0.0, _dn(dt * max(0.0, L))))
+    if u.residual:
+        return _log1p_dn(max(0.0, _dn(dt * max(0.0, L))))
+    return _log_dn(max(L, _TINY))
 
 
 # ----------------------------------------------------------------------------- arbitrary precision twins
@@ -268,7 +297,8 @@ def _mp(x: float) -> mpmath.mpf:
 
 def _step_mp(R, u: UpdateCoefficients, dt):
     Rq = R ** _mp(u.q) if u.q not in (0.0, 1.0) else (R if u.q == 1.0 else mpmath.mpf(1))  # type: ignore[operator]
-    return R + _mp(dt) * (_mp(u.c) * Rq + _mp(u.b))
+    growth = _mp(u.c) * Rq + _mp(u.b)
+    return R + _mp(dt) * growth if u.residual else growth
 
 
 def _peak_mp(R, u: UpdateCoefficients):
@@ -279,7 +309,10 @@ def _peak_mp(R, u: UpdateCoefficients):
 def _factor_mp(R, u: UpdateCoefficients, dt):
     Rb = max(R, mpmath.mpf(1))
     Rs = Rb ** _mp(u.sigma) if u.sigma != 0.0 else mpmath.mpf(1)  # type: ignore[operator]
-    return mpmath.log1p(_mp(dt) * (_mp(u.l1) * Rs + _mp(u.l0)))
+    L = _mp(u.l1) * Rs + _mp(u.l0)
+    if u.residual:
+        return mpmath.log1p(_mp(dt) * L)
+    return mpmath.log(max(L, _mp(_TINY)))
 
 
 # ----------------------------------------------------------------------------- finite heterogeneous stacks
@@ -298,6 +331,9 @@ class StackScan:
             ``M``, or ``None``.
         unknown: index of the first update whose ``q`` or ``sigma`` is not derived, or ``None``.
         forward_intermediate: ``True`` when the forward overflow is an intermediate's.
+        output_bound: the head's output bound at ``R_n`` (upper bound; ``nan`` without a head or when a
+            segment before it is not derived). ``forward_overflow == n + 1`` when the head's output or
+            intermediates reach ``M``.
     """
 
     radii: Tuple[float, ...]
@@ -307,6 +343,7 @@ class StackScan:
     unknown_q: int | None
     unknown_sigma: int | None
     forward_intermediate: bool = False
+    output_bound: float = math.nan
 
 
 def _log_budget(M: float, lip_g: float) -> Tuple[float, float]:
@@ -316,12 +353,23 @@ def _log_budget(M: float, lip_g: float) -> Tuple[float, float]:
 
 
 def scan_stack(updates: Sequence[UpdateCoefficients], M: float, *, dt: float = 1.0, r0: float = 1.0,
-               lip_g: float = 1.0) -> StackScan:
-    """Run the forward recursion and the layerwise backward sum over a finite stack.
+               lip_g: float = 1.0, head: UpdateCoefficients | None = None) -> StackScan:
+    """Run the forward recursion and the layerwise backward sum over a finite chain of segments.
 
     Crossings of ``M`` are decided exactly (outward-rounded floats, with an
     arbitrary-precision rerun when the enclosure straddles the boundary).
+
+    Args:
+        updates: the segments in order (residual updates and maps, see :class:`UpdateCoefficients`).
+        M: the dtype's largest finite value.
+        dt: the residual step (residual updates only).
+        r0: the bound on the first segment's input.
+        lip_g: ``Lip(G)``, the bound on the costate at the chain's output.
+        head: a map applied to the last state whose output and intermediates must stay below ``M``
+            (forward only: its Jacobian is the caller's ``lip_g``).
     """
+    if head is not None and head.residual:
+        raise ValueError("head must be a map (residual=False)")
     dt, r0, lip_g = _check_run(M, dt, r0, lip_g)
     n = len(updates)
     unknown_q = next((k for k, u in enumerate(updates) if u.q is None), None)
@@ -331,7 +379,8 @@ def scan_stack(updates: Sequence[UpdateCoefficients], M: float, *, dt: float = 1
     radii: List[float] = [r0]
     factors: List[float] = []
     lo = hi = r0
-    s_lo = s_hi = 0.0  # enclosure of sum(log factors), compared against log(M / Lip(G))
+    s_lo = s_hi = 0.0  # enclosure of sum(log factors)
+    m_lo = m_hi = 0.0  # enclosure of the smallest prefix sum (0 unless a factor is below 1)
     fwd: int | None = None
     bwd: int | None = None
     inter = False
@@ -350,10 +399,12 @@ def scan_stack(updates: Sequence[UpdateCoefficients], M: float, *, dt: float = 1
             f_lo = _factor_lo(lo, u, dt)
             factors.append(f_hi)
             s_hi, s_lo = _up(s_hi + f_hi), _dn(s_lo + f_lo)
+            m_hi, m_lo = min(m_hi, s_hi), min(m_lo, s_lo)
             if bwd is None and (unknown_sigma is None or k < unknown_sigma):
-                if s_lo >= b_hi:
+                # the largest costate bound over the boundaries j <= k + 1: sum of the factors from j to k
+                if _dn(s_lo - m_hi) >= b_hi:
                     bwd = k + 1
-                elif s_hi >= b_lo:
+                elif _up(s_hi - m_lo) >= b_lo:
                     ambiguous = True
         else:
             factors.append(math.nan)
@@ -366,22 +417,33 @@ def scan_stack(updates: Sequence[UpdateCoefficients], M: float, *, dt: float = 1
                 ambiguous = True
         if ambiguous:
             break
+    out_hi = math.nan
+    if head is not None and not ambiguous and unknown_q is None and head.q is not None:
+        out_hi = _step_hi(hi, head, dt)
+        if fwd is None:
+            if head.pq is not None and _peak_lo(lo, head) >= M:
+                fwd, inter = n + 1, True
+            elif _step_lo(lo, head, dt) >= M:
+                fwd = n + 1
+            elif out_hi >= M or (head.pq is not None and _peak_hi(hi, head) >= M):
+                ambiguous = True
     if ambiguous:
         return _scan_stack_mp(updates, M, dt=dt, r0=r0, lip_g=lip_g, unknown_q=unknown_q,
-                              unknown_sigma=unknown_sigma)
+                              unknown_sigma=unknown_sigma, head=head)
     # radii/factors past an unknown q stay undefined
     factors.extend([math.nan] * (n - len(factors)))
     radii.extend([math.inf] * (n + 1 - len(radii)))
-    return StackScan(tuple(radii), tuple(factors), fwd, bwd, unknown_q, unknown_sigma, inter)
+    return StackScan(tuple(radii), tuple(factors), fwd, bwd, unknown_q, unknown_sigma, inter, out_hi)
 
 
-def _scan_stack_mp(updates, M, *, dt, r0, lip_g, unknown_q, unknown_sigma) -> StackScan:
+def _scan_stack_mp(updates, M, *, dt, r0, lip_g, unknown_q, unknown_sigma, head=None) -> StackScan:
     n = len(updates)
     with mpmath.workprec(_PREC):
         Mm = _mp(M)
         budget = mpmath.log(Mm) - mpmath.log(_mp(lip_g))
         R = _mp(r0)
         S = mpmath.mpf(0)
+        S_min = mpmath.mpf(0)
         radii: List[float] = [r0]
         factors: List[float] = []
         fwd = bwd = None
@@ -395,7 +457,8 @@ def _scan_stack_mp(updates, M, *, dt, r0, lip_g, unknown_q, unknown_sigma) -> St
                 f = _factor_mp(R, u, dt)
                 factors.append(_to_float_up(f))
                 S += f
-                if bwd is None and (unknown_sigma is None or k < unknown_sigma) and S >= budget:
+                S_min = min(S_min, S)
+                if bwd is None and (unknown_sigma is None or k < unknown_sigma) and S - S_min >= budget:
                     bwd = k + 1
             else:
                 factors.append(math.nan)
@@ -403,9 +466,17 @@ def _scan_stack_mp(updates, M, *, dt, r0, lip_g, unknown_q, unknown_sigma) -> St
             radii.append(_to_float_up(R))
             if fwd is None and R >= Mm:
                 fwd = k + 1
+        out = math.nan
+        if head is not None and unknown_q is None and head.q is not None:
+            Y = _step_mp(R, head, dt)
+            out = _to_float_up(Y)
+            if fwd is None and head.pq is not None and _peak_mp(R, head) >= Mm:
+                fwd, inter = n + 1, True
+            elif fwd is None and Y >= Mm:
+                fwd = n + 1
     factors.extend([math.nan] * (n - len(factors)))
     radii.extend([math.inf] * (n + 1 - len(radii)))
-    return StackScan(tuple(radii), tuple(factors), fwd, bwd, unknown_q, unknown_sigma, inter)
+    return StackScan(tuple(radii), tuple(factors), fwd, bwd, unknown_q, unknown_sigma, inter, out)
 
 
 def _to_float_up(x) -> float:

@@ -5,8 +5,8 @@
   ``sup_{||x|| <= R} ||dv(x)|| <= l1 max(R, 1)^sigma + l0``; optionally a
   :class:`Peak`, the bound on the largest value the block computes on the way.
 * :class:`Depths` -- the certified depths of a homogeneous stack of one block.
-* :class:`StackCertificate` -- a finite heterogeneous stack, update by update
-  (:func:`certify_stack`).
+* :class:`StackCertificate` -- a finite chain of segments, residual updates and
+  maps, from a model's input to its head (:func:`certify_stack`).
 
 All three render as text (``str``/``explain``) and JSON (``to_dict``/``to_json``).
 """
@@ -15,14 +15,25 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, Sequence, Tuple, Union
 
 from . import budget as _budget
 from .exponents import Exponents
 
-__all__ = ["BlockCertificate", "Depths", "Failure", "Peak", "StackCertificate", "certify_stack", "json_number",
-           "suggest_fix"]
+__all__ = ["BlockCertificate", "Depths", "Failure", "KINDS", "Peak", "StackCertificate", "certify_stack",
+           "cross_entropy_gradient", "json_number", "suggest_fix"]
+
+#: Segment kinds of a chain (THEORY.md section 6): ``"update"`` is ``X' = X + dt v(X)``; ``"map"`` is
+#: ``X' = m(X)`` (a stem, patch merging, a scaling: not counted in the depth, ``dt`` does not apply);
+#: ``"block"`` is a residual block whose shortcut is not the identity (a projection shortcut ``P x + f(x)``,
+#: parallel branches ``x + f(x) + g(x)``), certified as one map of its input and counted as an update.
+KINDS = ("update", "map", "block")
+
+#: Bound on the gradient of the cross-entropy loss in the logits (mean reduction): ``softmax(z) - e_t`` has
+#: Euclidean norm at most ``sqrt(2)`` per token, and the mean over ``n`` tokens divides it by ``n``.
+cross_entropy_gradient = math.sqrt(2.0)
 
 Depth = Union[int, float]
 
@@ -99,7 +110,7 @@ class Peak:
 
 @dataclass(frozen=True)
 class BlockCertificate:
-    """The certificate of one residual velocity ``v`` (one update of a stack).
+    """The certificate of one residual velocity ``v`` (one update of a stack), or of a map.
 
     Args:
         q: forward growth exponent, or ``None`` when not derived.
@@ -115,6 +126,10 @@ class BlockCertificate:
         peak: bound on the largest intermediate value (:class:`Peak`), or ``None``
             when the block states none (then only the state is checked; every
             shipped block states one).
+        kind: ``"update"`` (default; ``X' = X + dt v(X)``), ``"map"`` (``X' = v(X)``: the growth and
+            Jacobian bounds are the map's own, its backward factor is ``L(R)`` without ``1 +``) or
+            ``"block"`` (a residual block with a non-identity shortcut certified as one map, counted
+            as an update); see :data:`KINDS`.
 
     All coefficients are sound upper bounds in the per-token norm (THEORY.md section 1).
     """
@@ -129,8 +144,11 @@ class BlockCertificate:
     culprit: str = ""
     fix: str = ""
     peak: Peak | None = None
+    kind: str = "update"
 
     def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if self.peak is not None and not isinstance(self.peak, Peak):
             raise TypeError(f"peak must be a Peak or None, got {type(self.peak).__name__}")
         e = Exponents(self.q, self.sigma)  # validates q and sigma
@@ -146,6 +164,11 @@ class BlockCertificate:
     def exponents(self) -> Exponents:
         """The pair ``(q, sigma)``."""
         return Exponents(self.q, self.sigma)
+
+    @property
+    def is_update(self) -> bool:
+        """True for a residual update or block (counted in a stack's depth), False for a map."""
+        return self.kind != "map"
 
     def growth_bound(self, radius: float) -> float:
         """``c * radius^q + b``: the bound on ``||v(x)||`` for ``||x|| = radius``."""
@@ -167,7 +190,7 @@ class BlockCertificate:
         p = self.peak
         return _budget.UpdateCoefficients(self.q, self.sigma, self.c, self.b, self.l1, self.l0,
                                           None if p is None else p.q, 0.0 if p is None else p.c,
-                                          0.0 if p is None else p.b)
+                                          0.0 if p is None else p.b, residual=self.kind == "update")
 
     def depths(self, dtype: object, *, dt: float = 1.0, r0: float = 1.0, lip_g: float = 1.0) -> Depths:
         """Certified depths of a stack repeating this block without end.
@@ -177,7 +200,14 @@ class BlockCertificate:
             dt: residual step size.
             r0: bound on the input's norm, ``||X_0|| <= r0``.
             lip_g: Lipschitz constant of the loss head in the state.
+
+        Raises:
+            ValueError: the certificate is a map or a block (a chain of them is certified by
+                :func:`certify_stack`, not repeated without end).
         """
+        if self.kind != "update":
+            raise ValueError(f"depths() repeats a residual update without end; {self.name or 'this'} is a "
+                             f"{self.kind}: certify the model's chain with certify_stack")
         name = _budget.dtype_name(dtype)
         M = _budget.float_max(name)
         fwd = bwd = None
@@ -192,7 +222,7 @@ class BlockCertificate:
         return Depths.from_overflow(name, M, fwd, bwd)
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"name": self.name, "q": self.q, "sigma": self.sigma, "c": self.c, "b": self.b,
+        return {"name": self.name, "kind": self.kind, "q": self.q, "sigma": self.sigma, "c": self.c, "b": self.b,
                 "l1": self.l1, "l0": self.l0, "culprit": self.culprit, "fix": self.fix,
                 "peak": None if self.peak is None else self.peak.to_dict()}
 
@@ -200,7 +230,7 @@ class BlockCertificate:
         return json.dumps(self.to_dict(), **kwargs)
 
     def __str__(self) -> str:
-        label = f"{self.name}: " if self.name else ""
+        label = (f"{self.name}: " if self.name else "") + ("" if self.kind == "update" else f"{self.kind} ")
         growth = f"||v(x)|| <= {_fmt_num(self.c)} ||x||^{_fmt_num(self.q)} + {_fmt_num(self.b)}"
         peak = "" if self.peak is None else f", {self.peak}"
         return (f"{label}{self.exponents}, {growth}, "
@@ -260,13 +290,19 @@ class Depths:
 
 
 def suggest_fix(cert: BlockCertificate, kind: str) -> str:
-    """A fix in words for a failing update (THEORY.md section 4).
+    """A fix in words for a failing update or map (THEORY.md section 4).
 
     Args:
-        cert: the failing update's certificate.
+        cert: the failing segment's certificate.
         kind: ``"forward"``, ``"backward"``, ``"intermediate"`` (an intermediate
             reaches ``M`` before the state does) or ``"unknown"``.
     """
+    if cert.kind != "update" and cert.q is not None and cert.q <= 1 and kind != "unknown":
+        what = "Jacobian" if kind == "backward" else "gain"
+        where = "map" if cert.kind == "map" else "residual block"
+        return (f"this {where}'s {what} is too large for the dtype whatever the depth: reduce its operator norm "
+                "(rescale or normalize its weights, or normalize its output), bound the input radius, or use a "
+                "wider dtype")
     if kind == "intermediate":
         what = cert.peak.what if cert.peak is not None and cert.peak.what else "the largest intermediate"
         order = f" (it grows like ||x||^{cert.peak.q:g})" if cert.peak is not None else ""
@@ -291,15 +327,16 @@ def suggest_fix(cert: BlockCertificate, kind: str) -> str:
 
 @dataclass(frozen=True)
 class Failure:
-    """Where a stack stops being certified.
+    """Where a chain stops being certified.
 
     Attributes:
-        index: the failing update (0-based): the first depth at which a bound
-            reaches ``M`` is ``index + 1``.
-        name: that update's name.
+        index: the failing segment (0-based, into :attr:`StackCertificate.updates`; ``len(updates)`` for
+            the head).
+        name: that segment's name.
         kind: ``"forward"``, ``"backward"`` or ``"unknown"`` (exponents not derived).
         reason: a sentence saying what fails.
         fix: what to change.
+        segment: the failing segment's kind (``"update"``, ``"map"``, ``"block"`` or ``"head"``).
     """
 
     index: int
@@ -307,26 +344,38 @@ class Failure:
     kind: str
     reason: str
     fix: str
+    segment: str = "update"
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"index": self.index, "name": self.name, "kind": self.kind, "reason": self.reason, "fix": self.fix}
+        return {"index": self.index, "name": self.name, "kind": self.kind, "segment": self.segment,
+                "reason": self.reason, "fix": self.fix}
 
 
 @dataclass(frozen=True)
 class StackCertificate:
-    """Certificate of a finite stack of residual updates (:func:`certify_stack`).
+    """Certificate of a finite chain of segments (:func:`certify_stack`).
+
+    A plain stack is a chain of residual updates; a whole model adds maps (its stem, patch merging,
+    downsampling) and a head (THEORY.md section 6).
 
     Attributes:
-        updates: the updates' certificates in depth order.
+        updates: the segments' certificates in order (residual updates, blocks and maps).
         dtype: canonical dtype name; ``max_value`` its ``M``.
-        dt, r0, lip_g: the run's parameters.
-        radii: ``R_0 .. R_n`` (upper bounds).
-        log_factors: ``log(1 + dt L_k(R_k))`` per update (upper bounds).
-        forward_depth: the number of leading updates over which the forward bound stays below ``M``.
+        dt: the residual step; ``r0`` the bound on the first segment's input.
+        lip_g: ``Lip(G)``, the bound on the costate at the last state: the given number, or with a
+            ``head`` its Jacobian bound at ``R_n`` times ``loss_grad``.
+        radii: ``R_0 .. R_n`` (upper bounds), one per segment boundary.
+        log_factors: the backward factor per segment (upper bounds): ``log(1 + dt L_k(R_k))`` for an
+            update, ``log L_k(R_k)`` for a map or block.
+        forward_depth: the number of residual updates (kinds ``"update"`` and ``"block"``) before the
+            first segment at which the forward bound (state or intermediates) reaches ``M``.
         backward_depth: likewise for the backward bound.
-        certified_depth: ``min(forward_depth, backward_depth)``, also stopping at an
-            update whose exponents are not derived.
+        certified_depth: ``min(forward_depth, backward_depth)``, also stopping at a segment whose
+            exponents are not derived.
         first_failure: where certification fails, or ``None`` when ``ok``.
+        head: the head's certificate (a map), or ``None``.
+        loss_grad: the bound on the loss gradient in the head's output (1 without a loss).
+        output_bound: the head's output bound at ``R_n`` (``nan`` without a head).
     """
 
     updates: Tuple[BlockCertificate, ...]
@@ -341,20 +390,23 @@ class StackCertificate:
     backward_depth: int
     certified_depth: int
     first_failure: Failure | None = field(default=None)
+    head: BlockCertificate | None = None
+    loss_grad: float = 1.0
+    output_bound: float = math.nan
 
     @property
     def depth(self) -> int:
-        """The number of updates in the stack."""
-        return len(self.updates)
+        """The number of residual updates in the chain (maps are not counted)."""
+        return sum(1 for u in self.updates if u.is_update)
 
     @property
     def ok(self) -> bool:
-        """True when the whole stack is certified for its dtype."""
-        return self.certified_depth == len(self.updates)
+        """True when the whole chain (head included) is certified for its dtype."""
+        return self.first_failure is None
 
     @property
     def log_gradient_bound(self) -> float:
-        """Upper bound of ``log(||p_0|| / Lip(G))`` over the whole stack."""
+        """Upper bound of ``log(||p_0|| / Lip(G))``: the sum of the segments' factors."""
         return math.fsum(f for f in self.log_factors if not math.isnan(f))
 
     def to_dict(self) -> Dict[str, Any]:
@@ -368,32 +420,45 @@ class StackCertificate:
                 for k, u in enumerate(self.updates)
             ],
             "radius_out": json_number(self.radii[-1]),
+            "head": None if self.head is None else self.head.to_dict(),
+            "loss_grad": self.loss_grad, "output_bound": json_number(self.output_bound),
         }
 
     def to_json(self, **kwargs: Any) -> str:
         return json.dumps(self.to_dict(), **kwargs)
 
     def explain(self) -> str:
-        """A readable table: one row per update, then the verdict."""
+        """A readable table: one row per segment, then the head and the verdict."""
         log_budget = math.log(self.max_value) - math.log(self.lip_g)
-        head = (f"stack of {self.depth} updates, {self.dtype} (M = {self.max_value:.4g}), dt = {self.dt:g}, "
-                f"r0 = {self.r0:g}, Lip(G) = {self.lip_g:g}; backward budget log(M/Lip G) = {log_budget:.4g}")
-        cols = ("k", "update", "(q, sigma)", "c", "b", "l1", "l0", "R_k", "peak P_k(R_k)", "log(1+dt L_k)",
+        maps = len(self.updates) - self.depth
+        what = f"{self.depth} updates" + (f" and {maps} maps" if maps else "")
+        kind = "stack" if not maps and self.head is None else "chain"
+        head = (f"{kind} of {what}, {self.dtype} (M = {self.max_value:.4g}), dt = {self.dt:g}, "
+                f"r0 = {self.r0:g}, Lip(G) = {self.lip_g:.4g}; backward budget log(M/Lip G) = {log_budget:.4g}")
+        cols = ("k", "segment", "kind", "(q, sigma)", "c", "b", "l1", "l0", "R_k", "peak P_k(R_k)", "log factor",
                 "cum. log")
         rows = []
         cum = 0.0
         for k, u in enumerate(self.updates):
             f = self.log_factors[k]
             cum = cum + f if not math.isnan(f) else math.nan
-            rows.append((str(k), u.name or "-", f"({_fmt_num(u.q)}, {_fmt_num(u.sigma)})", _fmt_num(u.c),
+            rows.append((str(k), u.name or "-", u.kind, f"({_fmt_num(u.q)}, {_fmt_num(u.sigma)})", _fmt_num(u.c),
                          _fmt_num(u.b), _fmt_num(u.l1), _fmt_num(u.l0), _fmt_num(self.radii[k]),
                          "-" if u.peak is None else _fmt_num(u.peak_bound(self.radii[k])), _fmt_num(f),
                          _fmt_num(cum)))
+        if self.head is not None:
+            h = self.head
+            rows.append(("G", h.name or "head", "head", f"({_fmt_num(h.q)}, {_fmt_num(h.sigma)})", _fmt_num(h.c),
+                         _fmt_num(h.b), _fmt_num(h.l1), _fmt_num(h.l0), _fmt_num(self.radii[-1]),
+                         "-" if h.peak is None else _fmt_num(h.peak_bound(self.radii[-1])),
+                         _fmt_num(math.log(self.lip_g)), "-"))
         widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
-        line = lambda r: "  ".join(s.rjust(w) if i != 1 else s.ljust(w) for i, (s, w) in enumerate(zip(r, widths)))
+        line = lambda r: "  ".join(s.rjust(w) if i not in (1, 2) else s.ljust(w)  # noqa: E731
+                                   for i, (s, w) in enumerate(zip(r, widths)))
         out = [head, line(cols), line(tuple("-" * w for w in widths))]
         out += [line(r) for r in rows]
-        out.append(f"R_{self.depth} = {_fmt_num(self.radii[-1])}")
+        out.append(f"R_{len(self.updates)} = {_fmt_num(self.radii[-1])}"
+                   + ("" if self.head is None else f", head output <= {_fmt_num(self.output_bound)}"))
         if self.ok:
             out.append(f"certified: all {self.depth} updates (D_F >= {self.forward_depth}, "
                        f"D_grad >= {self.backward_depth}) in {self.dtype}")
@@ -411,19 +476,29 @@ class StackCertificate:
 
 
 def certify_stack(certs: Sequence[BlockCertificate], dtype: object, *, dt: float = 1.0, r0: float = 1.0,
-                  lip_g: float = 1.0) -> StackCertificate:
-    """Certify a finite heterogeneous stack of residual updates.
+                  lip_g: float | None = None, head: BlockCertificate | None = None,
+                  loss_grad: float = 1.0) -> StackCertificate:
+    """Certify a finite chain of segments: residual updates, and for a whole model its maps and head.
 
-    Runs the forward radius recursion ``R_{k+1} = R_k + dt (c_k R_k^{q_k} + b_k)``
-    and the layerwise backward sum over the updates in order; boundaries are
-    decided exactly (see :mod:`certblocks.budget`).
+    Runs the forward radius recursion (``R_{k+1} = R_k + dt (c_k R_k^{q_k} + b_k)`` for an update,
+    ``c_k R_k^{q_k} + b_k`` for a map) and the layerwise backward bound over the segments in order
+    (THEORY.md section 6); boundaries are decided exactly (see :mod:`certblocks.budget`).
 
     Args:
-        certs: one :class:`BlockCertificate` per residual update, in depth order.
+        certs: one :class:`BlockCertificate` per segment, in order (kind ``"update"``, ``"map"`` or
+            ``"block"``).
         dtype: torch dtype or name.
-        dt: residual step size.
-        r0: bound on the input's norm.
-        lip_g: Lipschitz constant of the loss head in the state.
+        dt: residual step size (scales the velocities of the ``"update"`` segments only).
+        r0: bound on the first segment's input (the per-token norm).
+        lip_g: the Lipschitz constant of the loss head in the state (default 1); not with ``head``.
+        head: the head ``G`` as a map certificate: its output and peak at ``R_n`` must stay below ``M``
+            and ``Lip(G)`` is its Jacobian bound at ``R_n`` times ``loss_grad``.
+        loss_grad: bound on the loss gradient in the head's output (:data:`cross_entropy_gradient` for
+            cross-entropy with mean reduction); only with ``head``.
+
+    Raises:
+        TypeError: a segment or the head is not a :class:`BlockCertificate`.
+        ValueError: ``lip_g`` given with ``head``, the head is not a map, or an argument is out of range.
     """
     certs = tuple(certs)
     for k, cert in enumerate(certs):
@@ -431,57 +506,116 @@ def certify_stack(certs: Sequence[BlockCertificate], dtype: object, *, dt: float
             raise TypeError(f"certs[{k}] must be a BlockCertificate, got {type(cert).__name__}")
     name = _budget.dtype_name(dtype)
     M = _budget.float_max(name)
-    scan = _budget.scan_stack([c._coefficients() for c in certs], M, dt=dt, r0=r0, lip_g=lip_g)
+    coefficients = [c._coefficients() for c in certs]
+    loss_grad = _budget._real("loss_grad", loss_grad, strict=True)
+    head_u = None
+    if head is not None:
+        if not isinstance(head, BlockCertificate):
+            raise TypeError(f"head must be a BlockCertificate, got {type(head).__name__}")
+        if head.kind != "map":
+            raise ValueError(f"head must be a map certificate (kind='map'), got kind={head.kind!r}")
+        if lip_g is not None:
+            raise ValueError("pass lip_g or head, not both: with a head, Lip(G) is its Jacobian bound times loss_grad")
+        head_u = head._coefficients()
+        radius = _budget.scan_stack(coefficients, M, dt=dt, r0=r0).radii[-1]
+        lip_g = _head_lipschitz(head, radius, loss_grad)
+    elif lip_g is None:
+        lip_g = loss_grad
+    elif loss_grad != 1.0:
+        raise ValueError("loss_grad needs a head; without one, pass the whole bound as lip_g")
+    # A head whose Lip(G) reaches M overflows the gradient at the output itself, at any depth.
+    head_backward = head is not None and lip_g >= M
+    scan = _budget.scan_stack(coefficients, M, dt=dt, r0=r0, lip_g=1.0 if head_backward else lip_g, head=head_u)
     n = len(certs)
-    fwd_depth = n if scan.forward_overflow is None else scan.forward_overflow - 1
-    bwd_depth = n if scan.backward_overflow is None else scan.backward_overflow - 1
-    unknown = scan.unknown_sigma  # first update with q or sigma not derived
+    fwd_seg = n if scan.forward_overflow is None else min(n, scan.forward_overflow - 1)
+    bwd_seg = 0 if head_backward else n if scan.backward_overflow is None else scan.backward_overflow - 1
+    unknown = scan.unknown_sigma  # first segment with q or sigma not derived
     if unknown is not None:
-        bwd_depth = min(bwd_depth, unknown)
+        bwd_seg = min(bwd_seg, unknown)
         if scan.unknown_q is not None:
-            fwd_depth = min(fwd_depth, scan.unknown_q)
-    cert_depth = min(fwd_depth, bwd_depth)
+            fwd_seg = min(fwd_seg, scan.unknown_q)
+    cert_seg = min(fwd_seg, bwd_seg)
     failure = None
-    if cert_depth < n:
-        failure = _failure(certs, name, cert_depth, scan, unknown, fwd_depth, bwd_depth)
+    head_fails = scan.forward_overflow == n + 1
+    if head_backward and (fwd_seg < n or head_fails):  # a forward failure comes first
+        failure = _failure(certs, name, fwd_seg, scan, unknown, fwd_seg, n, head)
+    elif head_backward:
+        reason = (f"the head '{head.name or 'head'}' has Lip(G) >= {lip_g:.4g} on the reachable ball (its Jacobian "  # type: ignore[union-attr]
+                  f"bound at R_{n} = {_fmt_num(scan.radii[-1])} times the loss gradient {loss_grad:g}): the "
+                  f"gradient at the model output can reach M = {M:.4g}, so the head is not certified at any depth")
+        failure = Failure(n, head.name, "backward", reason, suggest_fix(head, "backward"), "head")  # type: ignore[union-attr]
+    elif cert_seg < n or head_fails:
+        failure = _failure(certs, name, cert_seg, scan, unknown, fwd_seg, bwd_seg, head)
+
+    def updates_before(seg: int) -> int:
+        return sum(1 for c in certs[:seg] if c.is_update)
+
     return StackCertificate(certs, name, M, float(dt), float(r0), float(lip_g), scan.radii, scan.log_factors,
-                            fwd_depth, bwd_depth, cert_depth, failure)
+                            updates_before(fwd_seg), updates_before(bwd_seg), updates_before(cert_seg), failure,
+                            head, loss_grad, scan.output_bound)
+
+
+def _head_lipschitz(head: BlockCertificate, radius: float, loss_grad: float) -> float:
+    """``Lip(G)``: the head's Jacobian bound at ``radius`` times ``loss_grad``, rounded up; clamped into the
+    positive floats (a constant head has a zero bound; an unbounded one the largest float)."""
+    j = head.jacobian_bound(radius) if math.isfinite(radius) else math.inf
+    v = j * loss_grad
+    v = math.nextafter(v, math.inf) if math.isfinite(v) else sys.float_info.max
+    return min(max(v, sys.float_info.min), sys.float_info.max)
 
 
 def _describe(k: int, cert: BlockCertificate) -> str:
     culprit = f", culprit: {cert.culprit}" if cert.culprit else ""
-    return f"update {k} ({cert.name or 'unnamed'}) with {cert.exponents}{culprit}"
+    what = {"update": "update", "map": "map", "block": "residual block"}[cert.kind]
+    return f"{what} {k} ({cert.name or 'unnamed'}) with {cert.exponents}{culprit}"
 
 
-def _failure(certs, dtype, depth, scan, unknown, fwd_depth, bwd_depth) -> Failure:
-    k = depth  # the failing update: the first depth at which certification fails is k + 1
-    cert = certs[k]
+def _failure(certs, dtype, k, scan, unknown, fwd_seg, bwd_seg, head) -> Failure:
+    """The failure at segment ``k`` (``len(certs)``: the head)."""
     M = _budget.float_max(dtype)
-    if unknown is not None and k == unknown and k <= fwd_depth and k <= bwd_depth:
+    n = len(certs)
+    if k == n:  # every segment passes; the head's output or intermediates reach M
+        R = _fmt_num(scan.radii[-1])
+        if scan.forward_intermediate:
+            what = head.peak.what if head.peak is not None and head.peak.what else "an intermediate value"
+            reason = (f"{what} of the head '{head.name or 'head'}' can reach M = {M:.4g} at the last state's radius "
+                      f"R_{n} = {R}: the head is not certified at any depth of this chain")
+            return Failure(n, head.name, "forward", reason, suggest_fix(head, "intermediate"), "head")
+        reason = (f"the output bound {_fmt_num(scan.output_bound)} of the head '{head.name or 'head'}' reaches "
+                  f"M = {M:.4g} at the last state's radius R_{n} = {R}")
+        return Failure(n, head.name, "forward", reason, suggest_fix(head, "forward"), "head")
+    cert = certs[k]
+    seg = cert.kind
+    at = (f"at depth {sum(1 for c in certs[:k + 1] if c.is_update)}" if cert.is_update
+          else "whatever the depth (a map is not a residual update: it is not certified at any depth)")
+    if unknown is not None and k == unknown and k <= fwd_seg and k <= bwd_seg:
         missing = "q and sigma" if cert.q is None and cert.sigma is None else ("q" if cert.q is None else "sigma")
         reason = f"{_describe(k, cert)} has {missing} not derived"
-        return Failure(k, cert.name, "unknown", reason, suggest_fix(cert, "unknown"))
-    if fwd_depth <= bwd_depth and scan.forward_intermediate and k + 1 == scan.forward_overflow:
+        return Failure(k, cert.name, "unknown", reason, suggest_fix(cert, "unknown"), seg)
+    if fwd_seg <= bwd_seg and scan.forward_intermediate and k + 1 == scan.forward_overflow:
         what = cert.peak.what if cert.peak is not None and cert.peak.what else "an intermediate value"
-        reason = (f"{what} of {_describe(k, cert)} can reach M = {M:.4g} at depth {k + 1}: its bound "
-                  f"{_fmt_num(cert.peak_bound(scan.radii[k]))} at the input radius R_{k} = {_fmt_num(scan.radii[k])} "
-                  "(the state itself stays below M there)")
-        return Failure(k, cert.name, "forward", reason, suggest_fix(cert, "intermediate"))
-    if fwd_depth <= bwd_depth:
-        reason = f"the forward bound reaches M = {M:.4g} at depth {k + 1}, after {_describe(k, cert)}"
-        # A superlinear update upstream is the culprit of a forward failure: name the first with the largest q.
+        state = " (the state itself stays below M there)" if scan.radii[k + 1] < M else ""
+        reason = (f"{what} of {_describe(k, cert)} can reach M = {M:.4g} {at}: its bound "
+                  f"{_fmt_num(cert.peak_bound(scan.radii[k]))} at the input radius R_{k} = {_fmt_num(scan.radii[k])}"
+                  f"{state}")
+        return Failure(k, cert.name, "forward", reason, suggest_fix(cert, "intermediate"), seg)
+    if fwd_seg <= bwd_seg:
+        reason = f"the forward bound reaches M = {M:.4g} {at}, after {_describe(k, cert)}"
+        # A superlinear segment upstream is the culprit of a forward failure: name the first with the largest q.
         qs = [u.q if u.q is not None else -1.0 for u in certs[: k + 1]]
         worst = qs.index(max(qs))
         if qs[worst] > 1 and worst != k:
             reason += f"; the superlinear growth comes from {_describe(worst, certs[worst])}"
-            return Failure(k, cert.name, "forward", reason, suggest_fix(certs[worst], "forward"))
-        return Failure(k, cert.name, "forward", reason, suggest_fix(cert, "forward"))
+            return Failure(k, cert.name, "forward", reason, suggest_fix(certs[worst], "forward"), seg)
+        return Failure(k, cert.name, "forward", reason, suggest_fix(cert, "forward"), seg)
     jac = _fmt_num(cert.jacobian_bound(scan.radii[k]))
-    reason = (f"the backward (gradient) bound reaches M = {M:.4g} at depth {k + 1}, after {_describe(k, cert)} "
+    reason = (f"the backward (gradient) bound reaches M = {M:.4g} {at}, after {_describe(k, cert)} "
               f"whose Jacobian bound on the reachable ball is L(R_{k}) <= {jac}")
-    # Name the update with the largest factor as the culprit of a backward failure.
+    if head is not None:
+        reason += f" (with Lip(G) of the head '{head.name or 'head'}' in the budget)"
+    # Name the segment with the largest factor as the culprit of a backward failure.
     factors = scan.log_factors[: k + 1]
-    worst = max(range(len(factors)), key=lambda i: -1.0 if math.isnan(factors[i]) else factors[i])
+    worst = max(range(len(factors)), key=lambda i: -math.inf if math.isnan(factors[i]) else factors[i])
     if worst != k:
         reason += f"; the largest factor comes from {_describe(worst, certs[worst])}"
-    return Failure(k, cert.name, "backward", reason, suggest_fix(certs[worst], "backward"))
+    return Failure(k, cert.name, "backward", reason, suggest_fix(certs[worst], "backward"), seg)

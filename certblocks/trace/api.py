@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from dataclasses import replace
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -10,6 +11,7 @@ from torch import nn
 from .._validation import check_finite
 from ..certificate import BlockCertificate
 from .capture import CapturedGraph, capture
+from .chain import Chain, model_chain, segment_name
 from .collapse import coefficients, peak
 from .diagnosis import culprit
 from .interp import VelocityInterpreter
@@ -87,16 +89,45 @@ def certify(module: nn.Module, example_input: Any, *, residual: Union[str, Seque
         ups = find_residual_updates(g)
         if not ups:
             return _whole(g, model_name)
-        certs = [certify_velocity(g, x, f, velocity_name(g, f, add) or f"update {k}")
-                 for k, (x, f, add) in enumerate(ups)]
-        dedupe_names(certs)
-        return ModelCertificate(certs, model_name, g.strict)
+        chain = model_chain(g, ups)
+        if chain is None:
+            certs = [certify_velocity(g, x, f, velocity_name(g, f, add) or f"update {k}")
+                     for k, (x, f, add) in enumerate(ups)]
+            dedupe_names(certs)
+            return ModelCertificate(certs, model_name, g.strict, notes=[
+                "the residual updates do not lie on one path from an input to an output (two stacks side by "
+                "side, an encoder and a decoder): the maps between them, the stem and the head are not "
+                "certified"])
+        return _certify_chain(g, chain, model_name)
     if isinstance(residual, str):
         residual = [residual]
     if not isinstance(residual, (list, tuple)) or not all(isinstance(p, str) for p in residual):
         raise TypeError(f"residual must be 'auto', None, a module path/pattern or a list of them, got {residual!r}")
     certs = [certify_velocity(g, x, o, p) for p, x, o in module_velocities(g, residual)]
     return ModelCertificate(certs, model_name, g.strict)
+
+
+def _certify_chain(g: CapturedGraph, chain: Chain, model_name: str) -> ModelCertificate:
+    """Certify every segment of a model's chain: updates through their velocities, the rest as maps."""
+    body: List[TraceCertificate] = []
+    stem = head = None
+    for k, seg in enumerate(chain.segments):
+        if seg.kind == "update":
+            assert seg.velocity is not None
+            tc = certify_velocity(g, seg.start, seg.velocity, velocity_name(g, seg.velocity, seg.end) or f"update {k}")
+        else:
+            tc = certify_velocity(g, seg.start, seg.end, segment_name(g, seg))
+            tc.certificate = replace(tc.certificate, kind="block" if seg.kind == "block" else "map")
+        if seg.kind == "stem":
+            stem = tc
+        elif seg.kind == "head":
+            head = tc
+        else:
+            body.append(tc)
+    dedupe_names(body)
+    updates = [tc for tc in body if tc.certificate.is_update]
+    return ModelCertificate(updates, model_name, g.strict, segments=body, stem=stem, head=head,
+                            integer_input=chain.integer_input, notes=chain.notes, chained=True)
 
 
 def _whole(g: CapturedGraph, model_name: str) -> TraceCertificate:

@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
-from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+import warnings
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
-from ..certificate import BlockCertificate, StackCertificate, certify_stack, json_number
+from ..certificate import BlockCertificate, StackCertificate, certify_stack, cross_entropy_gradient, json_number
 from ..exponents import Exponents
 from .values import AValue
 
@@ -120,17 +122,36 @@ class TraceCertificate:
 
 @dataclass
 class ModelCertificate:
-    """Certificates of the residual updates of a model, in depth order.
+    """A model's certificate: its chain of segments from input to output (THEORY.md section 6).
 
     Attributes:
-        updates: one :class:`TraceCertificate` per residual update ``X + f(X)`` (the velocity ``f``).
+        updates: one :class:`TraceCertificate` per residual update ``X + f(X)`` (the velocity ``f``) or
+            residual block with a non-identity shortcut (kind ``"block"``), in depth order.
         model: the model's class name.
         strict: which ``torch.export`` mode captured the graph.
+        segments: the chain between the stem and the head: the updates, blocks and the maps between them
+            (patch merging, downsampling, any scaling), in order.  Empty when the model is not one chain
+            (``chained`` is False: only the updates are certified, see ``notes``).
+        stem: the segment from the model input to the first update (``None`` when the first update reads
+            the input itself).
+        head: the segment from the last update to the model output (``None`` when the output is the last
+            state).
+        integer_input: the model input holds integers (token ids): the stem bounds ``R_0`` from its tables
+            (``r0`` is not needed) and no gradient flows into the input.
+        notes: what the chain assumed (inputs read at their example value) or why there is no chain.
+        chained: True when the certificate covers the whole path from the model input to its output
+            (False: only the updates, listed in ``updates``, are certified).
     """
 
     updates: List[TraceCertificate]
     model: str = ""
     strict: bool = False
+    segments: List[TraceCertificate] = field(default_factory=list)
+    stem: Optional[TraceCertificate] = None
+    head: Optional[TraceCertificate] = None
+    integer_input: bool = False
+    notes: List[str] = field(default_factory=list)
+    chained: bool = False
 
     def __len__(self) -> int:
         return len(self.updates)
@@ -140,10 +161,10 @@ class ModelCertificate:
 
     def __getitem__(self, k: Any) -> TraceCertificate:
         if isinstance(k, str):
-            for u in self.updates:
+            for u in self.all_segments():
                 if u.name == k:
                     return u
-            raise KeyError(f"no update named {k!r}; names: {[u.name for u in self.updates]}")
+            raise KeyError(f"no update or segment named {k!r}; names: {[u.name for u in self.all_segments()]}")
         return self.updates[k]
 
     @property
@@ -154,24 +175,91 @@ class ModelCertificate:
     def certificates(self) -> List[BlockCertificate]:
         return [u.certificate for u in self.updates]
 
-    def stack(self, dtype: object, *, r0: float = 1.0, dt: float = 1.0, lip_g: float = 1.0) -> StackCertificate:
-        """Certify the stack of these updates (:func:`certblocks.certificate.certify_stack`)."""
-        return certify_stack(self.certificates, dtype, dt=dt, r0=r0, lip_g=lip_g)
+    def all_segments(self) -> List[TraceCertificate]:
+        """Stem, segments (or the updates when not chained) and head, in order."""
+        body = self.segments if self.chained else self.updates
+        return ([self.stem] if self.stem is not None else []) + list(body) + (
+            [self.head] if self.head is not None else [])
+
+    def chain(self) -> List[BlockCertificate]:
+        """The certificates :meth:`stack` chains: the stem (as a map), then the segments.
+
+        With an integer input the stem's Jacobian is not used (no gradient flows into token ids): its
+        certificate is given ``sigma = 0``, ``L = 1`` so that it passes the costate on unchanged.
+        """
+        if not self.chained:
+            return self.certificates
+        out: List[BlockCertificate] = []
+        if self.stem is not None:
+            st = self.stem.certificate
+            if self.integer_input and st.q is not None:
+                st = replace(st, sigma=0.0, l1=0.0, l0=1.0)
+            out.append(st)
+        return out + [s.certificate for s in self.segments]
+
+    def stack(self, dtype: object, *, r0: float = 1.0, dt: float = 1.0, lip_g: Optional[float] = None,
+              loss: Union[None, str, float] = None, target_radius: float = 0.0) -> StackCertificate:
+        """Certify the model's chain in ``dtype`` (:func:`certblocks.certificate.certify_stack`).
+
+        Args:
+            dtype: torch dtype or name.
+            r0: bound on the model input's per-token norm (Euclidean norm along its last dimension, largest
+                over the other indices); not needed for token ids (an embedding's bound does not depend on
+                it).  When the model is not chained, the bound on the first update's input.
+            dt: residual step, scaling the velocities of the identity-shortcut updates.
+            lip_g: ``Lip(G)`` for a model without a head (its output is the last state); default 1.
+            loss: ``None`` (the costate at the output has norm 1), ``"cross_entropy"`` (mean reduction:
+                ``sqrt(2)``), ``"mse"`` (mean reduction: ``2 (||y|| + target_radius)``, with ``||y||`` the
+                output bound) or a number bounding the loss gradient in the output.
+            target_radius: bound on the targets' per-token norm, for ``loss="mse"``.
+
+        Returns:
+            The :class:`~certblocks.certificate.StackCertificate` of the chain: stem, maps and updates in
+            order, the head's ``Lip(G)`` times the loss gradient as the backward budget's ``Lip(G)``.
+        """
+        if not self.chained and self.notes:
+            warnings.warn(f"{self.model}: {self.notes[0]}; the stack certificate covers the updates only",
+                          UserWarning, stacklevel=2)
+        head = None
+        if self.chained and self.head is not None:
+            head = replace(self.head.certificate, kind="map")
+        grad = _loss_gradient(loss, target_radius)
+        if grad is None:  # MSE: 2 (||y|| + ||t||), with ||y|| bounded by the output bound
+            first = self._certify(dtype, r0, dt, lip_g, head, 1.0)
+            out = first.output_bound if head is not None else first.radii[-1]
+            grad = 2.0 * (out + target_radius) if math.isfinite(out) else sys.float_info.max
+            grad = min(max(grad, sys.float_info.min), sys.float_info.max)
+        return self._certify(dtype, r0, dt, lip_g, head, grad)
+
+    def _certify(self, dtype: object, r0: float, dt: float, lip_g: Optional[float],
+                 head: Optional[BlockCertificate], grad: float) -> StackCertificate:
+        if head is not None:
+            return certify_stack(self.chain(), dtype, dt=dt, r0=r0, head=head, loss_grad=grad)
+        return certify_stack(self.chain(), dtype, dt=dt, r0=r0, lip_g=(1.0 if lip_g is None else lip_g) * grad)
 
     def explain(self) -> str:
-        out = [f"{self.model}: {len(self.updates)} residual updates"]
-        w = max([len(u.name) for u in self.updates] + [6])
-        for k, u in enumerate(self.updates):
+        segs = self.all_segments()
+        n_maps = len(segs) - len(self.updates)
+        out = [f"{self.model}: {len(self.updates)} residual updates"
+               + (f", {n_maps} other segments (stem, maps, head)" if n_maps else "")]
+        w = max([len(u.name) for u in segs] + [6])
+        for k, u in enumerate(segs):
             c = u.certificate
+            kind = ("stem" if u is self.stem else "head" if u is self.head else c.kind)
             coef = (f"c={c.c:.4g} b={c.b:.4g} l1={c.l1:.4g} l0={c.l0:.4g}" if u.coefficients_derived
                     else "coefficients not derived")
-            out.append(f"{k:3d}  {u.name.ljust(w)}  {str(u.exponents):22s}  {coef}"
+            out.append(f"{k:3d}  {kind:6s}  {u.name.ljust(w)}  {str(u.exponents):22s}  {coef}"
                        + (f"  culprit: {u.culprit}" if u.culprit and (u.q is None or u.q > 1 or (u.sigma or 0) > 0)
                           else ""))
+        out += [f"note: {n}" for n in self.notes]
         return "\n".join(out)
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"model": self.model, "strict": self.strict, "depth": len(self.updates),
+        return {"model": self.model, "strict": self.strict, "depth": len(self.updates), "chained": self.chained,
+                "integer_input": self.integer_input, "notes": list(self.notes),
+                "stem": None if self.stem is None else self.stem.to_dict(),
+                "segments": [u.to_dict() for u in self.segments],
+                "head": None if self.head is None else self.head.to_dict(),
                 "updates": [u.to_dict() for u in self.updates]}
 
     def to_json(self, **kwargs: Any) -> str:
@@ -179,6 +267,23 @@ class ModelCertificate:
 
     def __str__(self) -> str:
         return self.explain()
+
+
+def _loss_gradient(loss: Union[None, str, float], target_radius: float) -> Optional[float]:
+    """The bound on the loss gradient in the model output (``None`` for MSE: it needs the output bound)."""
+    if loss is None:
+        return 1.0
+    if isinstance(loss, str):
+        if loss in ("cross_entropy", "ce"):
+            return cross_entropy_gradient
+        if loss == "mse":
+            if not (isinstance(target_radius, (int, float)) and math.isfinite(target_radius) and target_radius >= 0):
+                raise ValueError(f"target_radius must be a finite number >= 0, got {target_radius!r}")
+            return None
+        raise ValueError(f"loss must be None, 'cross_entropy', 'mse' or a number, got {loss!r}")
+    if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss) or loss <= 0:
+        raise ValueError(f"loss must be None, 'cross_entropy', 'mse' or a finite number > 0, got {loss!r}")
+    return float(loss)
 
 
 def jsonable(x: Any) -> Any:

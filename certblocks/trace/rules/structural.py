@@ -23,9 +23,20 @@ Args = Dict[str, Any]
 Shape = Tuple[int, ...]
 
 
+def _written(n: torch.fx.Node, a: Args) -> Any:
+    """The tensor whose values an identity op returns: ``copy(self, src)`` returns ``src`` (broadcast to
+    ``self``'s shape), ``fill_(self, value)`` a tensor ``value``; the others their first tensor."""
+    name = op_name(n.target)
+    if name == "aten.copy":
+        return a["src"]
+    if name == "aten.fill_" and isinstance(a.get("value"), AValue):
+        return a["value"]
+    return first_tensor(a)
+
+
 @register_rule(*sorted(IDENTITY_OPS))
 def identity(it: Any, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
-    x = first_tensor(a)
+    x = _written(n, a)
     if x is None:
         return unknown(shape, "no tensor argument")
     same = tuple(x.shape) == tuple(shape)
@@ -96,7 +107,7 @@ def transpose(it: Any, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
     return out
 
 
-@register_rule("aten.slice", "aten.narrow", "aten.index_select", "aten.select", "aten.split", "aten.chunk",
+@register_rule("aten.slice", "aten.narrow", "aten.select", "aten.split", "aten.chunk",
                "aten.unbind", "aten.split_with_sizes", "aten.tensor_split", "aten.unsafe_split", "aten.diagonal",
                "aten.roll", "aten.flip", "aten.repeat", "aten.tile", "aten.repeat_interleave")
 def select(it: Any, n: torch.fx.Node, a: Args, shape: Shape) -> Any:
@@ -120,8 +131,8 @@ def select(it: Any, n: torch.fx.Node, a: Args, shape: Shape) -> Any:
             f, via = sqrt_last(s), True
         elif name in ("aten.select", "aten.unbind", "aten.diagonal") and last_touched:
             f, via = sqrt_last(s), True
-        elif name in ("aten.diagonal", "aten.index_select") and (name == "aten.diagonal" or last_touched):
-            f, via = sqrt_last(s), True  # indices may repeat entries of a row
+        elif name == "aten.diagonal":
+            f, via = sqrt_last(s), True  # a row of the diagonal collects entries of several rows
         else:
             f, via = 1.0, False  # a subset (or permutation) of rows, or of each row
         o = scaled(x, s, f, via_entries=via, rule=f"structural ({name.split('.')[-1]})")
@@ -198,4 +209,15 @@ def shape_only(it: Any, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
 
 @register_rule("aten.embedding")
 def embedding(it: Any, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
-    return unknown(shape, "embedding lookup of an input-dependent index (not differentiable)")
+    """A lookup ``W[idx]`` of a constant table at an input-dependent index: every row of the result is a row
+    of ``W``, so its row norm is at most ``W``'s largest row norm whatever the index (q = 0); the lookup is
+    not differentiable in the index (sigma unknown; a model's stem reads token ids and no gradient flows
+    into them)."""
+    w = a.get("weight")
+    if not isinstance(w, AValue) or not w.const or w.value is None or w.value.dim() != 2:
+        return unknown(shape, "embedding lookup in an input-dependent table")
+    rows = torch.linalg.vector_norm(w.value.detach().double(), dim=-1)
+    return AValue(exps=E.Exponents(0.0, None), shape=tuple(shape), growth=Poly.const(float(rows.max())),
+                  max_abs=Poly.const(float(w.value.detach().double().abs().max())), sign=w.sign,
+                  rule="embedding (largest row of the table)",
+                  bad="embedding lookup: not differentiable in its index")
