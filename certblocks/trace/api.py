@@ -90,11 +90,11 @@ def certify(module: nn.Module, example_input: Any, *, residual: Union[str, Seque
         if not ups:
             return _whole(g, model_name)
         chain = model_chain(g, ups)
-        if chain is None:
+        if chain is None or not chain.segments:
             certs = [certify_velocity(g, x, f, velocity_name(g, f, add) or f"update {k}")
                      for k, (x, f, add) in enumerate(ups)]
             dedupe_names(certs)
-            return ModelCertificate(certs, model_name, g.strict, notes=[
+            return ModelCertificate(certs, model_name, g.strict, notes=chain.notes if chain is not None else [
                 "the residual updates do not lie on one path from an input to an output (two stacks side by "
                 "side, an encoder and a decoder): the maps between them, the stem and the head are not "
                 "certified"])

@@ -90,15 +90,16 @@ def _external_inputs(g: CapturedGraph, start: torch.fx.Node, end: torch.fx.Node,
 
 
 def _adds_branches(g: CapturedGraph, seg: Segment) -> bool:
-    """The segment adds two tensors that both depend on its input (a residual block with a non-identity
-    shortcut, or parallel branches)."""
+    """The segment adds two tensors of its output's shape that both depend on its input (a residual block with
+    a non-identity shortcut, or parallel branches)."""
     sub = g.between(seg.start, seg.end)
     for name in sub - {seg.start.name}:
         n = g.nodes[g.index[name]]
-        if n.op != "call_function" or op_name(n.target) not in ("aten.add", "aten.sub"):
+        if n.op != "call_function" or op_name(n.target) != "aten.add":
             continue
         ops = [a for a in n.args[:2] if isinstance(a, torch.fx.Node)]
-        if len(ops) == 2 and all(a.name in sub for a in ops):
+        shape = getattr(_tensor(g, n), "shape", None)
+        if len(ops) == 2 and all(a.name in sub and getattr(_tensor(g, a), "shape", None) == shape for a in ops):
             return True
     return False
 
@@ -138,7 +139,17 @@ def model_chain(g: CapturedGraph, updates: Sequence[Update]) -> Optional[Chain]:
     dep = g.depends_on_input()
     stream = {n.name for n in g.nodes if g.is_ancestor(x_in, n)}
     notes: List[str] = []
-    segs = _merge_open(g, segs, dep, stream, notes)
+    try:
+        segs = _merge_open(g, segs, dep, stream, notes)
+    except ChainBroken as exc:
+        if segs[-1].kind != "head":
+            return Chain([], x_in, out, False, [f"{exc}: only the residual updates are certified"])
+        try:  # a head that reads the input's statistics (instance normalization undone): certify without it
+            segs = _merge_open(g, segs[:-1], dep, stream, notes)
+        except ChainBroken as exc2:
+            return Chain([], x_in, out, False, [f"{exc2}: only the residual updates are certified"])
+        notes.append(f"{exc}: the head is not certified (it is not a function of the last state alone); "
+                     "stack() takes Lip(G) from its lip_g argument and bounds the last state, not the output")
     others = [n for n in g.user_inputs if n is not x_in and any(
         g.is_ancestor(n, s.end) for s in segs)]
     for n in others:
@@ -152,11 +163,21 @@ def model_chain(g: CapturedGraph, updates: Sequence[Update]) -> Optional[Chain]:
     return Chain(segs, x_in, out, integer, notes)
 
 
+class ChainBroken(Exception):
+    """A segment reads a value computed before the input of the segment in front of it: not one chain."""
+
+
 def _merge_open(g: CapturedGraph, segs: List[Segment], dep: Set[str], stream: Set[str],
                 notes: List[str]) -> List[Segment]:
-    """Merge each segment that reads a floating-point stream node other than its input with the segments
-    before it.  Integer and boolean nodes computed from the input (a padding mask from token ids) are read
-    at their example value: ``notes`` names them."""
+    """Merge each segment that reads a floating-point stream node computed from the input of the segment in
+    front of it (parallel branches ``x + f(x) + g(x)``) with that segment.  Integer and boolean nodes
+    computed from the input (a padding mask from token ids) are read at their example value: ``notes`` names
+    them.
+
+    Raises:
+        ChainBroken: a segment reads a value computed further back (a head that undoes an instance
+            normalization of the input with its statistics); the head is then dropped by the caller.
+    """
     out: List[Segment] = []
     for s in segs:
         cur = s
@@ -170,9 +191,13 @@ def _merge_open(g: CapturedGraph, segs: List[Segment], dep: Set[str], stream: Se
                 if note not in notes:
                     notes.append(note)
             ext = [e for e in ext if e not in discrete]
-            if not ext or not out:
+            if not ext:
                 break
-            prev = out.pop()
+            prev = out[-1] if out else None
+            if prev is None or not all(g.is_ancestor(prev.start, e) for e in ext):
+                raise ChainBroken(f"{cur.kind} {segment_name(g, cur)!r} reads {ext[0].name!r}, computed before the "
+                                  "input of the segment in front of it")
+            out.pop()
             kinds = {prev.kind, cur.kind}
             kind = ("stem" if "stem" in kinds else "head" if "head" in kinds else
                     "block" if kinds & {"update", "block"} else "map")

@@ -66,7 +66,9 @@ def test_hf_gpt2_small_config():
     assert rep.max_q_before <= 1  # through the pre-LN
     assert rep.certificate_after is not None, rep.trace_error_after
     assert rep.max_q_after <= 1
-    assert [u.exponents for u in rep.certificate_after.updates] == [Exponents(1, 1), Exponents(1, 0)] * 2
+    chain = rep.certificate_after.updates  # the chain: the embedding stem (a map), the updates
+    assert [u.exponents for u in chain if u.is_update] == [Exponents(1, 1), Exponents(1, 0)] * 2
+    assert chain[0].kind == "map" and chain[0].q == 0 and rep.certificate_after.head is not None
 
 
 def _hf_mamba():
