@@ -409,6 +409,13 @@ class StackCertificate:
         """Upper bound of ``log(||p_0|| / Lip(G))``: the sum of the segments' factors."""
         return math.fsum(f for f in self.log_factors if not math.isnan(f))
 
+    def in_dtype(self, dtype: object) -> StackCertificate:
+        """The same chain (segments, head, loss gradient, ``dt``, ``r0``) certified for another dtype."""
+        if self.head is not None:
+            return certify_stack(self.updates, dtype, dt=self.dt, r0=self.r0, head=self.head,
+                                 loss_grad=self.loss_grad)
+        return certify_stack(self.updates, dtype, dt=self.dt, r0=self.r0, lip_g=self.lip_g)
+
     def to_dict(self) -> Dict[str, Any]:
         return {
             "dtype": self.dtype, "max_value": self.max_value, "dt": self.dt, "r0": self.r0, "lip_g": self.lip_g,

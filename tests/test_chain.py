@@ -136,3 +136,11 @@ def test_plain_stacks_are_unchanged():
     st = certify_stack(ups, "fp16", r0=1.0)
     assert st.depth == 12 and st.head is None and math.isnan(st.output_bound)
     assert st.explain().startswith("stack of 12 updates")
+
+
+def test_in_dtype_keeps_the_chain_and_the_head():
+    head = BlockCertificate(1.0, 0.0, c=1e5, l1=0.0, l0=100.0, name="head", kind="map")
+    st = certify_stack([_upd(0.0, 1.0, 0.5), _map(2.0)], "fp32", r0=1.0, head=head, loss_grad=2.0)
+    st16 = st.in_dtype("fp16")
+    assert st.ok and st16.dtype == "fp16" and st16.head == head and st16.loss_grad == 2.0 and st16.updates == st.updates
+    assert st16.lip_g == st.lip_g and not st16.ok and st16.first_failure.segment == "head"

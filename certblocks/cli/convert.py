@@ -32,7 +32,6 @@ def run_convert(args: argparse.Namespace) -> int:
 
     model, example = load_backbone(args.model, img_size=args.img_size, layers=args.layers)
 
-    from certblocks.certificate import certify_stack
     from certblocks.conversion import convert
 
     dtypes = args.dtype
@@ -46,7 +45,7 @@ def run_convert(args: argparse.Namespace) -> int:
         if cert is None:
             rows.append([tag, f"not available: {err.splitlines()[0][:100]}"] + [""] * (len(dtypes) - 1) + [""])
             continue
-        cs = [certify_stack(cert.updates, d, dt=cert.dt, r0=cert.r0, lip_g=cert.lip_g) for d in dtypes]
+        cs = [cert.in_dtype(d) for d in dtypes]
         mq = max((u.q for u in cert.updates if u.q is not None), default=None)
         unknown = sum(u.q is None for u in cert.updates)
         rows.append([tag] + [verdict(c) for c in cs]
