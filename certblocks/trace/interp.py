@@ -21,6 +21,7 @@ import torch
 from .. import exponents as E
 from ..bounds.poly import Poly
 from . import atoms as _atoms
+from . import own as _own
 from .nodes import bind_args, op_name
 from .rules import rule_for
 from .values import AValue
@@ -57,6 +58,7 @@ class VelocityInterpreter:
         self.values: Dict[str, Any] = {}
         self.order: List[torch.fx.Node] = []
         self.atom_groups: Dict[str, AtomGroup] = {}
+        self.certified_calls: Dict[str, Tuple[_own.CertifiedCall, Any]] = {}
 
     # ------------------------------------------------------------------------------------------
     def run(self) -> AValue:
@@ -64,7 +66,7 @@ class VelocityInterpreter:
         g = self.g
         sub = g.between(self.x, self.out)
         self.order = [n for n in g.nodes if n.name in sub]
-        skip = self._find_module_atoms(sub)
+        skip = self._collapse_certified_calls(sub, self._find_module_atoms(sub))
         self.values[self.x.name] = AValue(exps=E.IDENTITY, shape=tuple(g.env[self.x.name].shape),
                                           growth=Poly.mono(1.0, 1.0), max_abs=Poly.mono(1.0, 1.0),
                                           jacobian=Poly.const(1.0), rule="input")
@@ -161,10 +163,48 @@ class VelocityInterpreter:
         return AValue(exps=E.compose(atom.exponents, y.exps), shape=out_shape, growth=growth, max_abs=growth,
                       jacobian=jacobian, rule=rule, deps=deps)
 
+    # modules with their own certificate ------------------------------------------------------
+    def _collapse_certified_calls(self, sub: Set[str], skip: Set[str]) -> Set[str]:
+        """Group each call of a module with its own certificate (:mod:`certblocks.trace.own`); ``skip`` and the
+        names of the nodes they hide.  A call inside a registered module atom, or of a module registered as
+        one, is left to the atom."""
+        hidden: Set[str] = set()
+        for call in _own.certified_calls(self.g, self.x, sub):
+            o = call.output.name
+            if o in skip or o in self.atom_groups:
+                continue
+            cert = _own.call_certificate(self.g, call)
+            if cert is not None:
+                self.certified_calls[o] = (call, cert)
+                hidden |= call.members - {o}
+        return skip | hidden
+
+    def _certified_call_value(self, n: torch.fx.Node) -> AValue:
+        """The value of a certified call's output from the module's own certificate (:func:`~certblocks.trace.own.
+        call_bounds`); the call's peak goes on one tensor it hides (:func:`~certblocks.trace.own.representative`),
+        so that the velocity's peak covers the call's intermediates (none stated: the velocity states none)."""
+        call, cert = self.certified_calls[n.name]
+        y = self.value(call.input)
+        bounds = _own.call_bounds(cert, y.growth, y.jacobian)
+        exps = E.compose(cert.exponents, y.exps)
+        label = f"own certificate of {type(call.module).__name__} ({call.path})"
+        rep = _own.representative(self.g, call)
+        if rep is not None:
+            node, factor = rep
+            inner = bounds.inner
+            self.values[node.name] = AValue(
+                exps=exps, shape=self.shape_of(node), growth=None if inner is None else inner.scale(factor),
+                max_abs=inner, rule=f"inside {call.path}: every entry within its peak ({label})",
+                deps=(call.input.name,))
+        return AValue(exps=exps, shape=self.shape_of(n), growth=bounds.growth, max_abs=bounds.max_abs,
+                      jacobian=bounds.jacobian, rule=label, deps=(call.input.name,))
+
     # evaluation -------------------------------------------------------------------------------
     def _eval(self, n: torch.fx.Node) -> Any:
         name = op_name(n.target)
         shape = self.shape_of(n)
+        if n.name in self.certified_calls:
+            return self._certified_call_value(n)
         if n.op != "call_function":
             return AValue.unknown(shape, n.op, f"{n.op} node {n.name} is not interpreted", self.deps_of(n))
         atom = _atoms.lookup_op_atom(name)
