@@ -14,6 +14,7 @@ Every op outside the class gets unknown exponents (``None``) and the node record
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple
 
 import torch
@@ -124,21 +125,39 @@ class VelocityInterpreter:
 
     # module atoms -----------------------------------------------------------------------------
     def _find_module_atoms(self, sub: Set[str]) -> Set[str]:
-        """Group the nodes of each registered module atom's call; the names of the nodes they hide."""
-        groups: Dict[str, Tuple[Any, List[torch.fx.Node]]] = {}
+        """Group the nodes of each call of a registered module atom; the names of the nodes they hide.
+
+        A call's members are the velocity's nodes whose module stack names the module (the outermost one with
+        an atom: it takes precedence over every op and atom inside it), one group per call (``nn_module_stack``
+        tells two calls of a shared module apart).  Multi-output ops and their ``getitem`` nodes are members like
+        the others; what counts is the call's one node that the velocity uses outside it (its output) and its one
+        input that depends on the velocity input.  A call with several of either is not collapsed: a warning says
+        why and :attr:`atom_failures` keeps it (module path -> reason).
+        """
+        self.atom_failures: Dict[str, str] = {}
+        groups: Dict[Tuple[str, str], Tuple[Any, List[torch.fx.Node]]] = {}
         for n in self.order:
-            for path, type_name in self.g.module_stack(n):
+            stack = self.g.module_stack(n)
+            calls = list(n.meta.get("nn_module_stack") or {})[-len(stack):] if stack else []
+            for (path, type_name), call in zip(stack, calls):
                 atom = _atoms.lookup_module_atom(type_name)
                 if atom is not None:
-                    groups.setdefault(path, (atom, []))[1].append(n)
+                    groups.setdefault((path, call), (atom, []))[1].append(n)
                     break
         skip: Set[str] = set()
-        for path, (atom, members) in groups.items():
+        for (path, _), (atom, members) in groups.items():
             names = {m.name for m in members}
-            outs = [m for m in members if m is self.out or any(u.name not in names for u in m.users)]
+            # users outside the velocity (an unused index output, say) do not make a node an output
+            outs = [m for m in members if m is self.out or any(u.name in sub and u.name not in names for u in m.users)]
             ins = {a.name: a for m in members for a in m.all_input_nodes
                    if a.name not in names and (a.name in sub or a is self.x)}
             if len(outs) != 1 or len(ins) != 1:
+                why = (f"the velocity uses {len(outs)} of its call's values ({', '.join(m.name for m in outs)}), "
+                       "an atom has one output" if len(outs) != 1 else
+                       f"its call depends on the velocity input through {len(ins)} tensors ({', '.join(ins)}), "
+                       "an atom maps one input")
+                self.atom_failures[path] = f"atom {atom.name} registered for {path} not applied: {why}"
+                warnings.warn(self.atom_failures[path] + "; its ops are interpreted one by one", stacklevel=2)
                 continue
             out = outs[0]
             self.atom_groups[out.name] = AtomGroup(path, atom, next(iter(ins.values())), out, members)
