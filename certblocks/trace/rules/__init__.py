@@ -5,7 +5,10 @@ with :func:`rule_for`.
 
 * :mod:`.structural` -- copies, casts, views, permutes, selections, cat, pad;
 * :mod:`.pointwise` -- activations, clamps, ``exp``, powers, entrywise ops outside the class;
-* :mod:`.arithmetic` -- add/sub, mul, div, where;
+* :mod:`.arithmetic` -- add/sub, mul, where, addcmul, lerp;
+* :mod:`.division` -- div and addcdiv, by constants or by denominators with a proven positive minimum;
+* :mod:`.indexing` -- gather, index_select, index, and writes into a slice (slice_scatter, select_scatter);
+* :mod:`.selection` -- topk, sort, cummax/cummin, entrywise maximum/minimum and clamps between tensors;
 * :mod:`.linalg` -- linear, matmul, addmm, einsum, convolutions, FFTs;
 * :mod:`.reductions` -- sum/mean, max/min/logsumexp, norms, cumsum, pooling;
 * :mod:`.normalizations` -- layer/RMS/group/batch norm and the recognizer of normalizations written out;
@@ -15,5 +18,6 @@ with :func:`rule_for`.
 
 from .registry import Rule, register_rule, registered_rules, rule_for  # noqa: I001  (the registry first)
 from . import structural, pointwise, normalizations, attention, arithmetic, linalg, reductions, scan  # noqa: F401
+from . import division, indexing, selection  # noqa: F401
 
 __all__ = ["Rule", "register_rule", "registered_rules", "rule_for"]

@@ -15,7 +15,6 @@ from ... import exponents as E
 from ...bounds.poly import Poly, psum
 from ..nodes import is_same, op_name, strip_casts
 from ..values import AValue, max_abs, row_norm
-from .attention import recognize_softmax
 from .common import broadcast_factor, flip_sign, scaled, sign_mul, unknown
 from .normalizations import recognize_norm
 from .registry import register_rule
@@ -60,7 +59,7 @@ def hadamard(x: AValue, y: AValue, shape: Sequence[int], name: str) -> AValue:
                   sign="+" if x is y else sign, rule=f"{name} of two input-dependent tensors (product)")
 
 
-def _multiply(n: torch.fx.Node, x: Any, y: Any, shape: Shape) -> AValue:
+def multiply(n: torch.fx.Node, x: Any, y: Any, shape: Shape) -> AValue:
     """``x * y`` once no normalization was recognized (either side may be a Python number)."""
     if not isinstance(y, AValue):
         s = abs(float(y))
@@ -69,7 +68,7 @@ def _multiply(n: torch.fx.Node, x: Any, y: Any, shape: Shape) -> AValue:
         out.max_abs = None if x.entry_bound() is None else x.entry_bound().scale(s)
         return out
     if not isinstance(x, AValue):
-        return _multiply(n, y, x, shape)
+        return multiply(n, y, x, shape)
     out = hadamard(x, y, shape, "mul")
     if is_same(n.args[0], n.args[1]):
         out.sign = "+"
@@ -78,34 +77,10 @@ def _multiply(n: torch.fx.Node, x: Any, y: Any, shape: Shape) -> AValue:
 
 @register_rule("aten.mul", "aten.multiply")
 def mul(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
-    return recognize_norm(it, n, shape) or _multiply(n, a["self"], a["other"], shape)
+    return recognize_norm(it, n, shape) or multiply(n, a["self"], a["other"], shape)
 
 
-@register_rule("aten.div", "aten.divide", "aten.true_divide")
-def div(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
-    x, y = a["self"], a["other"]
-    if a.get("rounding_mode") is not None:
-        return unknown(shape, "div with rounding (discontinuous)")
-    rec = recognize_norm(it, n, shape) or recognize_softmax(it, n, shape)
-    if rec is not None:
-        return rec
-    if not isinstance(y, AValue):
-        y = float(y)
-        if y == 0:
-            return unknown(shape, "division by zero")
-        return _multiply(n, x, 1.0 / y, shape)
-    if y.const:
-        if not isinstance(x, AValue):
-            return unknown(shape, "scalar / tensor")
-        v = y.value
-        if bool((v == 0).any()):
-            return unknown(shape, "division by a constant with zeros")
-        return _multiply(n, x, AValue.constant(1.0 / v), shape)
-    return unknown(shape, "division by an input-dependent tensor is outside the certified class "
-                          "(not recognized as a normalization or a softmax)")
-
-
-def _sum_term(v: AValue, factor: float, scale: float = 1.0) -> Optional[Poly]:
+def sum_term(v: AValue, factor: float, scale: float = 1.0) -> Optional[Poly]:
     """Row-norm bound of ``scale * v`` broadcast by ``factor`` (through its entries when broadcast)."""
     if v.const:
         return Poly.const(row_norm(v.value) * scale) if factor == 1.0 else Poly.const(max_abs(v.value) * factor * scale)
@@ -114,6 +89,31 @@ def _sum_term(v: AValue, factor: float, scale: float = 1.0) -> Optional[Poly]:
     if factor == 1.0:
         return v.growth.scale(scale)
     return None if v.entry_bound() is None else v.entry_bound().scale(factor * scale)
+
+
+def as_value(v: Any) -> AValue:
+    """An operand as an abstract value (a Python number becomes a 0-d constant)."""
+    return v if isinstance(v, AValue) else AValue.constant(torch.as_tensor(float(v)))
+
+
+def linear_sum(x: AValue, y: AValue, alpha: float, shape: Shape, rule: str) -> AValue:
+    """``x + alpha * y`` (with broadcasting) by the sum rule: bounds add, exponents are the larger ones."""
+    fx, fy = broadcast_factor(x.shape, shape), broadcast_factor(y.shape, shape)
+    aa = abs(alpha)
+    ysign = y.sign if alpha > 0 else (flip_sign(y.sign) if alpha < 0 else "0")
+    if x.sign in ("+", "0") and ysign in ("+", "0"):
+        sign = "+" if "+" in (x.sign, ysign) else "0"
+    elif x.sign in ("-", "0") and ysign in ("-", "0"):
+        sign = "-" if "-" in (x.sign, ysign) else "0"
+    else:
+        sign = None
+    acts = [v.exps for v in (x, y) if not v.const]
+    return AValue(exps=E.add(*acts) if acts else E.CONSTANT, shape=shape,
+                  growth=psum([sum_term(x, fx), sum_term(y, fy, aa)]),
+                  max_abs=psum([x.entry_bound(), None if y.entry_bound() is None else y.entry_bound().scale(aa)]),
+                  jacobian=psum([None if x.jacobian is None else x.jacobian.scale(fx),
+                                 None if y.jacobian is None else y.jacobian.scale(fy * aa)]),
+                  sign=sign, rule=rule)
 
 
 @register_rule("aten.add", "aten.sub", "aten.subtract", "aten.rsub")
@@ -126,33 +126,15 @@ def add(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AVa
     sub = name in ("aten.sub", "aten.subtract", "aten.rsub")
     if isinstance(alpha, AValue):
         return unknown(shape, "add with a tensor alpha")
-    alpha = float(alpha)
-    if not isinstance(x, AValue):
-        x = AValue.constant(torch.as_tensor(float(x)))
-    if not isinstance(y, AValue):
-        y = AValue.constant(torch.as_tensor(float(y)))
-    ysign = y.sign if alpha > 0 else flip_sign(y.sign)
-    if sub:
-        ysign = flip_sign(ysign)
+    x, y = as_value(x), as_value(y)
     if x.const and y.const:
         return AValue.constant(it.g.env[n.name])
-    fx, fy = broadcast_factor(x.shape, shape), broadcast_factor(y.shape, shape)
-    aa = abs(alpha)
-    if x.sign in ("+", "0") and ysign in ("+", "0"):
-        sign = "+" if "+" in (x.sign, ysign) else "0"
-    elif x.sign in ("-", "0") and ysign in ("-", "0"):
-        sign = "-" if "-" in (x.sign, ysign) else "0"
-    else:
-        sign = None
+    out = linear_sum(x, y, -float(alpha) if sub else float(alpha), shape,
+                     "sub (sum rule)" if sub else "add (sum rule)")
     # x - max(x) along a dim is <= 0
     if sub and _is_max_of(*((n.args[1], n.args[0]) if name != "aten.rsub" else (n.args[0], n.args[1]))):
-        sign = "-"
-    return AValue(exps=E.add(*[v.exps for v in (x, y) if not v.const]), shape=shape,
-                  growth=psum([_sum_term(x, fx), _sum_term(y, fy, aa)]),
-                  max_abs=psum([x.entry_bound(), None if y.entry_bound() is None else y.entry_bound().scale(aa)]),
-                  jacobian=psum([None if x.jacobian is None else x.jacobian.scale(fx),
-                                 None if y.jacobian is None else y.jacobian.scale(fy * aa)]),
-                  sign=sign, rule="sub (sum rule)" if sub else "add (sum rule)")
+        out.sign = "-"
+    return out
 
 
 def _is_max_of(m: Any, x: Any) -> bool:
@@ -183,6 +165,40 @@ def where(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> A
     return out
 
 
-@register_rule("aten.addcmul", "aten.addcdiv", "aten.lerp")
+def _scalar(v: Any) -> Optional[float]:
+    """A Python-number argument as a float (``None`` for a tensor)."""
+    if isinstance(v, AValue):
+        return None
+    return 1.0 if v is None else float(v)
+
+
+def product_shape(x: Any, y: Any) -> Shape:
+    """The broadcast shape of two operands (numbers are 0-d)."""
+    return tuple(torch.broadcast_shapes(*[v.shape if isinstance(v, AValue) else () for v in (x, y)]))
+
+
+@register_rule("aten.addcmul")
 def addcmul(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
-    return unknown(shape, f"{op_name(n.target)} has no rule (rewrite it as mul/add)")
+    """``self + value * tensor1 * tensor2``: the product rule for the product, the sum rule for the sum.
+
+    With one constant factor (ResMLP's affine ``addcmul(beta, alpha, x)``) the product is affine: its bound is
+    the other factor's times ``max |constant|`` (:func:`hadamard`), so the result keeps the input's exponents.
+    """
+    value = _scalar(a.get("value", 1))
+    if value is None:
+        return unknown(shape, "addcmul with a tensor value")
+    t1, t2 = as_value(a["tensor1"]), as_value(a["tensor2"])
+    prod = hadamard(t1, t2, product_shape(t1, t2), "addcmul")
+    return linear_sum(as_value(a["self"]), prod, value, shape, f"addcmul ({prod.rule}, sum rule)")
+
+
+@register_rule("aten.lerp")
+def lerp(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
+    """``self + weight * (end - self)``: the sum rule, and the product rule when the weight is a tensor."""
+    x, end, w = as_value(a["self"]), as_value(a["end"]), a["weight"]
+    diff = linear_sum(end, x, -1.0, product_shape(end, x), "lerp difference")
+    if isinstance(w, AValue):
+        step = hadamard(w, diff, product_shape(w, diff), "lerp")
+    else:
+        step = multiply(n, diff, float(w), diff.shape)
+    return linear_sum(x, step, 1.0, shape, "lerp (sum rule)")

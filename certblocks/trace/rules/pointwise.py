@@ -15,10 +15,12 @@ import torch
 from ... import exponents as E
 from ...bounds.activations import activation
 from ...bounds.poly import Poly
+from ...exponents import Exponents
 from ..nodes import op_name
 from ..values import AValue, max_abs
 from .common import first_tensor, flip_sign, scaled, sqrt_last, unknown
 from .registry import register_rule
+from .selection import bounded_discontinuous, clamp_between
 
 if TYPE_CHECKING:
     from ..interp import VelocityInterpreter
@@ -116,8 +118,20 @@ def prelu(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> A
     return lipschitz_value(x, shape, s, s, 0.0, None, "prelu")
 
 
+def _bound_range(b: Any) -> Optional[Tuple[float, float]]:
+    """``(smallest, largest)`` entry of a constant clamp bound (a number or a constant tensor); ``None``: no bound."""
+    if b is None:
+        return None
+    if isinstance(b, AValue):
+        v = b.value.double()
+        return float(v.min()), float(v.max())
+    return float(b), float(b)
+
+
 @register_rule("aten.hardtanh", "aten.relu6", "aten.clamp", "aten.clip", "aten.clamp_min", "aten.clamp_max")
 def clamp(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
+    """A clamp between constant bounds (numbers or tensors): ``|clamp(x)| <= max |bound|`` with both, ``|x| + max
+    |bound|`` with one; a bound that depends on the input goes to :func:`~.selection.clamp_between`."""
     x = a.get("self", a.get("input"))
     name = op_name(n.target)
     if name == "aten.relu6":
@@ -130,20 +144,18 @@ def clamp(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> A
         lo, hi = None, a.get("max")
     else:
         lo, hi = a.get("min"), a.get("max")
-    for b in (lo, hi):
-        if isinstance(b, AValue) and not b.const:
-            return unknown(shape, f"{name} with an input-dependent bound")
-    lo = max_abs(lo.value) * (-1 if lo.sign == "-" else 1) if isinstance(lo, AValue) else lo
-    hi = max_abs(hi.value) * (-1 if hi.sign == "-" else 1) if isinstance(hi, AValue) else hi
+    if any(isinstance(b, AValue) and not b.const for b in (lo, hi)):
+        return clamp_between(x, lo, hi, shape)
+    lo_r, hi_r = _bound_range(lo), _bound_range(hi)
     short = name.split(".")[-1]
-    if lo is not None and hi is not None:
-        sign = "+" if lo >= 0 else ("-" if hi <= 0 else None)
-        return saturating_value(x, shape, max(abs(lo), abs(hi)), 1.0, sign, short)
-    bound = abs(lo if lo is not None else hi)
-    sign = "+" if (lo is not None and lo >= 0) else ("-" if (hi is not None and hi <= 0) else None)
-    if x.sign == "+" and lo is not None:
-        sign = "+"
-    return lipschitz_value(x, shape, 1.0, 1.0, bound, sign, short)
+    if lo_r is not None and hi_r is not None:
+        # min(max(x, lo), hi) lies between min(lo, hi) and hi entrywise
+        sign = "+" if min(lo_r[0], hi_r[0]) >= 0 else ("-" if hi_r[1] <= 0 else None)
+        return saturating_value(x, shape, max(abs(v) for v in lo_r + hi_r), 1.0, sign, short)
+    rng = lo_r if lo_r is not None else hi_r
+    sign = "+" if (lo_r is not None and (lo_r[0] >= 0 or x.sign == "+")) else \
+        ("-" if (hi_r is not None and (hi_r[1] <= 0 or x.sign == "-")) else None)
+    return lipschitz_value(x, shape, 1.0, 1.0, max(abs(rng[0]), abs(rng[1])), sign, short)
 
 
 @register_rule("aten.exp", "aten.exp2")
@@ -200,11 +212,34 @@ def power(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> A
                   rule=f"entrywise power {p:g}")
 
 
+#: Ops with a bounded output that jumps with the input: the bound of their entries (``None``: read from the op).
+_STEP_OPS = {"aten.eq": 1.0, "aten.ne": 1.0, "aten.lt": 1.0, "aten.le": 1.0, "aten.gt": 1.0, "aten.ge": 1.0,
+             "aten.sign": 1.0, "aten.logical_and": 1.0, "aten.logical_or": 1.0, "aten.logical_not": 1.0,
+             "aten.isnan": 1.0, "aten.argmax": None, "aten.argmin": None}
+#: Rounding ops: ``|round(x)| <= |x| + 1`` entrywise (``+ 10^-decimals / 2`` with negative decimals), jumps.
+_ROUNDING_OPS = ("aten.round", "aten.floor", "aten.ceil", "aten.trunc")
+
+
 # sign-only and boolean ops on constants never reach here (constants are evaluated); on activations:
-@register_rule("aten.eq", "aten.ne", "aten.lt", "aten.le", "aten.gt", "aten.ge", "aten.sign", "aten.round",
-               "aten.floor", "aten.ceil", "aten.trunc", "aten.argmax", "aten.argmin", "aten.topk", "aten.sort",
-               "aten.bitwise_and", "aten.logical_and", "aten.logical_or", "aten.logical_not", "aten.__and__",
-               "aten.__or__", "aten.isnan")
+@register_rule(*_STEP_OPS, *_ROUNDING_OPS, "aten.bitwise_and", "aten.__and__", "aten.__or__")
 def discontinuous(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
-    return unknown(shape, f"{op_name(n.target)} of an input-dependent tensor is discontinuous "
-                          "(outside the certified class)")
+    """Comparisons, signs, argmax, rounding: discontinuous (``sigma`` not derived), but bounded (booleans and
+    signs by 1, an argmax by the size of its dimension) or within 1 of their input (rounding)."""
+    name = op_name(n.target)
+    x = first_tensor(a)
+    why = f"discontinuous ({name.split('.')[-1]} of an input-dependent tensor jumps)"
+    conc = it.g.env.get(n.name)
+    if name in _ROUNDING_OPS:
+        offset = max(1.0, 0.5 * 10.0 ** -int(a.get("decimals", 0) or 0))
+        out = lipschitz_value(x, shape, 1.0, 1.0, offset, x.sign, name.split(".")[-1])
+        out.exps, out.jacobian, out.bad = Exponents(x.exps.q, None), None, why
+        return out
+    if name in _STEP_OPS or (isinstance(conc, torch.Tensor) and conc.dtype == torch.bool):
+        level = _STEP_OPS.get(name)
+        if level is None and name in _STEP_OPS:  # an index along dim (all entries when dim is None)
+            dim = a.get("dim")
+            level = float(max((x.shape[dim] if dim is not None and x.ndim else math.prod(x.shape)) - 1, 0))
+        out = bounded_discontinuous(shape, 1.0 if level is None else level, f"{name.split('.')[-1]} (bounded)", why)
+        out.sign = None if name == "aten.sign" else "+"
+        return out
+    return unknown(shape, f"{name} of an input-dependent tensor is discontinuous (outside the certified class)")

@@ -16,9 +16,9 @@ from ... import exponents as E
 from ...bounds.poly import Poly
 from ..nodes import op_name
 from ..values import AValue
-from .arithmetic import add
 from .common import scaled, sqrt_last, unknown
 from .registry import register_rule
+from .selection import extremum
 
 if TYPE_CHECKING:
     from ..interp import VelocityInterpreter
@@ -71,7 +71,7 @@ def max_or_min(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape)
     x = a.get("self")
     name = op_name(n.target)
     if isinstance(a.get("other"), AValue):  # elementwise max/min of two tensors: 1-Lipschitz in each
-        return add(it, n, {"self": x, "other": a["other"], "alpha": 1}, shape)
+        return extremum(x, a["other"], shape, "max" if name == "aten.max" else "min")
     conc = it.g.env.get(n.name)
     dims = _reduce_dims(a, x.ndim)
     count = _count(x, dims)
