@@ -8,11 +8,12 @@ matmul rule uses (``N(P @ V) <= N(V)``).  Fused attention is an atom: ``q = q_V`
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Set, Tuple
 
 import torch
 
 from ... import exponents as E
+from ...bounds.norms import op_norm
 from ...bounds.poly import Poly
 from ...exponents import Exponents
 from ..nodes import bind_args, is_same, strip_casts, target_name
@@ -92,11 +93,110 @@ def scaled_dot_product_attention(it: VelocityInterpreter, n: torch.fx.Node, a: A
     growth = None if v.growth is None else v.growth.scale(drop)
     jacobian = None
     if None not in (q.growth, k.growth, v.growth, q.jacobian, k.jacobian, v.jacobian):
-        logit_jac = (q.jacobian * k.growth + q.growth * k.jacobian) * v.growth * Poly.const(2.0 * abs(s))
+        # d(P v)_i = sum_j P_ij dv_j + sum_j P_ij dz_ij (v_j - vbar_i) with dz = s (dq k^T + q dk^T): by
+        # Cauchy-Schwarz in the weights P_i the second term is at most max_j |dz_ij| times the spread
+        # sqrt(sum_j P_ij ||v_j - vbar_i||^2) <= max_j ||v_j - c|| for any c (_value_spread).  Dropout on P
+        # breaks the centring: then sum_j |dP_ij| ||v_j|| <= 2 max_j |dz_ij| max_j ||v_j||.
+        spread = v.growth if p > 0 else _value_spread(it, (bind_args(n) or {}).get("value"), v)
+        logit_jac = (q.jacobian * k.growth + q.growth * k.jacobian) * spread * Poly.const((2.0 if p > 0 else 1.0)
+                                                                                            * abs(s))
         jacobian = (v.jacobian + logit_jac).scale(drop)
     out = AValue(exps=ex, shape=out_shape, growth=growth, max_abs=growth, jacobian=jacobian,
                  rule="attention atom: q = q_V, sigma = max(sigma_logits + q_V, sigma_V)")
     return [out] + extra if extra else out
+
+
+#: Ops that move whole rows, or split each row into sub-rows, without mixing tokens: followed back from the
+#: values of an attention to the linear map that produced them (:func:`_value_spread`).
+_ROW_MOVES = ("aten.view", "aten.reshape", "aten._unsafe_view", "aten.transpose", "aten.permute", "aten.unbind",
+              "aten.select", "aten.slice", "aten.clone", "aten.contiguous", "aten.alias", "aten._to_copy", "aten.to",
+              "aten.expand", "getitem")
+
+
+def _bias_axes(g: Any, n: torch.fx.Node, depth: int = 0) -> Optional[Tuple[torch.fx.Node, Set[int]]]:
+    """Follow ``n`` back over :data:`_ROW_MOVES` to an ``aten.linear`` with a constant bias.
+
+    Returns the linear node and the axes of ``n`` (leading, non-negative) along which the bias's image varies:
+    ``n = chain(W y) + chain(bias)``, the second term a constant that depends only on those axes (each
+    ``chain`` moves rows or splits them into sub-rows: ``N(chain(W y)) <= ||W|| N(y)``).  ``None`` when ``n``
+    is not such a chain.
+    """
+    if not isinstance(n, torch.fx.Node) or n.op != "call_function" or depth > 32:
+        return None
+    name = target_name(n)
+    out = g.env.get(n.name)
+    if name == "aten.linear":
+        b = (bind_args(n) or {}).get("bias")
+        return n, set() if isinstance(b, torch.fx.Node) and b.op == "placeholder" else None
+    if name not in _ROW_MOVES or not n.args or not isinstance(n.args[0], torch.fx.Node):
+        return None
+    src = g.env.get(n.args[0].name)
+    if name == "getitem":  # an element of unbind (or split along a leading axis): the rule of its producer
+        prod = n.args[0]
+        if target_name(prod) not in ("aten.unbind", "aten.split", "aten.split_with_sizes", "aten.chunk"):
+            return None
+        found = _bias_axes(g, prod.args[0], depth + 1)
+        if found is None or not isinstance(out, torch.Tensor):
+            return None
+        a = bind_args(prod) or {}
+        dim = int(a.get("dim", 0) or 0) % max(g.env[prod.args[0].name].dim(), 1)
+        if target_name(prod) != "aten.unbind":
+            return found if dim != g.env[prod.args[0].name].dim() - 1 else None
+        return found[0], {x - (x > dim) for x in found[1] if x != dim}
+    if not isinstance(out, torch.Tensor) or not isinstance(src, torch.Tensor):
+        return None
+    if name == "aten.unbind":
+        return None  # its elements are followed through getitem
+    found = _bias_axes(g, n.args[0], depth + 1)
+    if found is None:
+        return None
+    lin, axes = found
+    a = bind_args(n) or {}
+    nd_in, nd = src.dim(), out.dim()
+    if name in ("aten.view", "aten.reshape", "aten._unsafe_view"):
+        shp_in, shp = tuple(src.shape), tuple(out.shape)
+        if shp == shp_in:
+            return found
+        # split the last dimension only: (..., D) -> (..., D1, .., Dk)
+        if nd <= nd_in or shp[:nd_in - 1] != shp_in[:-1] or math.prod(shp[nd_in - 1:]) != shp_in[-1]:
+            return None
+        return lin, axes | set(range(nd_in - 1, nd - 1))
+    if name in ("aten.transpose", "aten.permute"):
+        perm = list(range(nd))
+        if name == "aten.transpose":
+            d0, d1 = int(a["dim0"]) % nd, int(a["dim1"]) % nd
+            perm[d0], perm[d1] = perm[d1], perm[d0]
+        else:
+            perm = [int(d) % nd for d in a["dims"]]
+        if perm[-1] != nd - 1:
+            return None
+        return lin, {perm.index(x) for x in axes}
+    if name == "aten.select":
+        dim = int(a["dim"]) % nd_in
+        return (lin, {x - (x > dim) for x in axes if x != dim}) if dim != nd_in - 1 else None
+    if name == "aten.slice":
+        return found if int(a.get("dim", 0) or 0) % nd_in != nd_in - 1 else None
+    if name == "aten.expand":
+        return found if nd == nd_in else None
+    return found  # copies and casts
+
+
+def _value_spread(it: VelocityInterpreter, node: Any, v: AValue) -> Poly:
+    """A bound of ``max_j ||v_j - c_i||`` over the keys ``j`` of every query row ``i``, one ``c_i`` per row.
+
+    ``c_i = 0`` gives ``v``'s row bound.  When the values are a linear map with a constant bias followed by row
+    moves and head splits (:func:`_bias_axes`) whose bias image does not vary along the key axis, ``c_i`` is
+    that image and the spread is at most ``||W|| N(y)`` (the bias cancels, as in ``v_j - vbar_i``).
+    """
+    found = _bias_axes(it.g, node) if isinstance(node, torch.fx.Node) else None
+    if found is None or v.growth is None or len(v.shape) < 2 or (len(v.shape) - 2) in found[1]:
+        return v.growth
+    lin = found[0]
+    b = bind_args(lin) or {}
+    y, w = it.value(b.get("input")), it.value(b.get("weight"))
+    if not isinstance(y, AValue) or not isinstance(w, AValue) or not w.const or y.growth is None:
+        return v.growth
+    return y.growth.scale(op_norm(w.value))
 
 
 def recognize_softmax(it: VelocityInterpreter, n: torch.fx.Node, shape: Sequence[int]) -> Optional[AValue]:
