@@ -1,10 +1,11 @@
-"""What a search found: :class:`CheckResult` (one check's worst case) and :class:`SoundnessReport`."""
+"""What a search found: :class:`CheckResult` (one check's worst case), :class:`SoundnessReport` (a velocity's
+checks) and :class:`ModelSoundnessReport` (a whole model's checks)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -17,15 +18,18 @@ class CheckResult:
     """The worst case one check found.
 
     Attributes:
-        check: ``"growth"``, ``"jacobian"`` or ``"peak"``.
+        check: ``"growth"``, ``"jacobian"`` or ``"peak"`` for a velocity; ``"output"``, ``"intermediate"``,
+            ``"gradient"``, ``"state"`` or ``"costate"`` for a whole model (:func:`search_model`).
         ratio: the largest value / bound found (``inf`` for a non-finite value).
         value: the value there (``||v(x)||``, the Jacobian's lower estimate, the largest intermediate).
         bound: the certificate's bound at that radius.
         radius: ``||x||`` there.
-        input: that ``x``, ``(1, *shape)`` float64 on the CPU.
+        input: that ``x``, ``(1, *shape)`` float64 on the CPU (a whole model: the model input, token ids
+            as integers).
         direction: for the Jacobian, the tangent (per-token norm 1) attaining ``value``.
         evaluations: the number of inputs scored (random draws and ascent iterates).
         rtol: the rounding allowance: the check passes when ``ratio <= 1 + rtol``.
+        where: the segment boundary or graph node attaining the ratio, when the check has several.
     """
 
     check: str
@@ -37,6 +41,7 @@ class CheckResult:
     direction: Optional[Tensor] = None
     evaluations: int = 0
     rtol: float = DEFAULT_RTOL
+    where: str = ""
 
     @property
     def ok(self) -> bool:
@@ -45,9 +50,16 @@ class CheckResult:
 
     def describe(self) -> str:
         """One line: the check, the worst ratio, its radius, value against bound, the effort, the verdict."""
-        what = {"growth": "||v(x)||", "jacobian": "||dv(x)|| >=", "peak": "largest intermediate"}[self.check]
-        return (f"{self.check}: worst ratio {self.ratio:.6g} at radius {self.radius:.4g} ({what} {self.value:.6g}, "
+        what = _WHAT.get(self.check, "value")
+        at = f" at {self.where}" if self.where else ""
+        radius = f"radius {self.radius:.4g}" if math.isfinite(self.radius) else "token ids"
+        return (f"{self.check}: worst ratio {self.ratio:.6g} at {radius}{at} ({what} {self.value:.6g}, "
                 f"bound {self.bound:.6g}; {self.evaluations} inputs) {'ok' if self.ok else 'COUNTEREXAMPLE'}")
+
+
+_WHAT = {"growth": "||v(x)||", "jacobian": "||dv(x)|| >=", "peak": "largest intermediate",
+         "output": "||y||", "intermediate": "largest intermediate", "gradient": "dual norm of the input gradient",
+         "state": "||X_k||", "costate": "dual norm of the costate"}
 
 
 @dataclass(frozen=True)
@@ -84,6 +96,44 @@ class SoundnessReport:
     def __str__(self) -> str:
         head = f"soundness search for {self.name}: {'no counterexample' if self.ok else 'COUNTEREXAMPLE'}"
         return "\n".join([head] + ["  " + r.describe() for r in self.results])
+
+
+@dataclass(frozen=True)
+class ModelSoundnessReport:
+    """What :func:`search_model` found on a whole model, check by check.
+
+    Attributes:
+        name: the model's class name.
+        checks: one worst case per check that ran, in :data:`MODEL_CHECKS` order.
+    """
+
+    name: str
+    checks: Tuple[CheckResult, ...] = ()
+
+    @property
+    def results(self) -> List[CheckResult]:
+        """The checks that ran."""
+        return list(self.checks)
+
+    def __getitem__(self, check: str) -> CheckResult:
+        for r in self.checks:
+            if r.check == check:
+                return r
+        raise KeyError(f"the search ran no {check!r} check; it ran {[r.check for r in self.checks]}")
+
+    @property
+    def failures(self) -> List[CheckResult]:
+        """The checks that found a counterexample."""
+        return [r for r in self.checks if not r.ok]
+
+    @property
+    def ok(self) -> bool:
+        """No check found a counterexample."""
+        return not self.failures
+
+    def __str__(self) -> str:
+        head = f"soundness search for the model {self.name}: {'no counterexample' if self.ok else 'COUNTEREXAMPLE'}"
+        return "\n".join([head] + ["  " + r.describe() for r in self.checks])
 
 
 @dataclass
