@@ -236,6 +236,16 @@ def test_planted_intermediate_bound_is_beaten(toys):
     assert report["intermediate"].ratio > 10, report
 
 
+def test_planted_segment_peak_is_beaten(toys):
+    m, x, rep, r0 = toys[StemScale]
+    chain = rep.chain()
+    p = chain[0].peak  # the stem's: its largest entry is 1e5 times the input's
+    chain[0] = replace(chain[0], peak=replace(p, c=p.c / 100, b=p.b / 100))
+    bad = certify_stack(chain, "fp32", r0=r0)
+    report = cbt.search_model(m, bad, x, model_certificate=rep, checks=["peak"], **SEARCH)
+    assert report["peak"].ratio > 10 and "segment 0 (stem)" in report["peak"].where, report
+
+
 def test_planted_gradient_bound_is_beaten(toys):
     m, x, rep, r0 = toys[HeadScale]
     st = rep.stack("fp32", r0=r0, loss="cross_entropy")
