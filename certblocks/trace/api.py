@@ -16,6 +16,7 @@ from .collapse import coefficients, peak
 from .diagnosis import culprit
 from .interp import VelocityInterpreter
 from .nodes import op_name
+from .own import own_certificate
 from .report import ModelCertificate, TraceCertificate, node_row
 from .residual import dedupe_names, find_residual_updates, module_velocities, velocity_name
 
@@ -42,6 +43,9 @@ def certify_velocity(g: CapturedGraph, x: torch.fx.Node, out: torch.fx.Node, nam
     text, node, fix = culprit(g, it, out)
     cert = BlockCertificate(res.exps.q, res.exps.sigma, c=co.c, b=co.b, l1=co.l1, l0=co.l0, name=name,
                             culprit=text, fix=fix, peak=peak(it))
+    own = own_certificate(g, x, out, name)  # one call of a certified block: its own certificate, exactly
+    if own is not None:
+        cert, text, fix = own, own.culprit or text, own.fix or fix
     rows = []
     for n in it.order:
         av = it.value_of(n.name)
@@ -49,7 +53,8 @@ def certify_velocity(g: CapturedGraph, x: torch.fx.Node, out: torch.fx.Node, nam
             continue
         rows.append(node_row(n, av, g.module_path(n), op_name(n.target) if n.op == "call_function" else n.op))
     shape = tuple(g.env[x.name].shape) if isinstance(g.env.get(x.name), torch.Tensor) else ()
-    return TraceCertificate(name, cert, text, node, fix, rows, co.derived, x.name, out.name, shape)
+    return TraceCertificate(name, cert, text, node, fix, rows, co.derived or own is not None, x.name, out.name,
+                            shape)
 
 
 def certify(module: nn.Module, example_input: Any, *, residual: Union[str, Sequence[str], None, bool] = "auto",

@@ -51,16 +51,17 @@ def coefficients(av: AValue) -> Coefficients:
 
 
 def peak(it: VelocityInterpreter) -> Optional[Peak]:
-    """Bound on every value of the velocity's graph: its nodes' growth polynomials, plus the query-key
+    """Bound on every value of the velocity's graph: its nodes' entry bounds, plus the query-key
     products inside fused attention (``||q_i|| ||k_j||``).  ``None`` when a node's growth is not derived."""
     polys: List[Tuple[str, Poly]] = []
     for n in it.order:
         av = it.value_of(n.name)
         if av is None or av.const:
             continue
-        if av.growth is None or not av.growth.is_finite():
+        bound = av.entry_bound()  # max_abs when derived (a collapsed call's peak), else the row-norm bound
+        if bound is None or not bound.is_finite():
             return None
-        polys.append((n.name, av.growth))
+        polys.append((n.name, bound))
         if n.op == "call_function" and "scaled_dot_product" in op_name(n.target):
             q, k = it.value_of(n.args[0].name), it.value_of(n.args[1].name)
             if q is None or k is None or q.growth is None or k.growth is None:

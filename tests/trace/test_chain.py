@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -143,7 +145,7 @@ def test_token_ids_stem_bounds_r0_from_the_tables():
     rep = certify(m, torch.randint(0, 50, (1, 6)))
     assert rep.integer_input and rep.stem is not None and rep.stem.certificate.q == 0
     st = rep.stack("fp16", loss="cross_entropy")
-    emb = float(m.wte.weight.norm(dim=-1).max() + m.wpe.norm(dim=-1).max())
+    emb = float(m.wte.weight.detach().norm(dim=-1).max() + m.wpe.detach().norm(dim=-1).max())
     assert st.radii[1] >= emb * (1 - 1e-12)  # R_0 after the stem: the largest rows of both tables
     assert st.radii[1] == rep.stack("fp16", r0=123.0, loss="cross_entropy").radii[1]  # r0 is not needed
     assert abs(st.log_factors[0]) <= 1e-15  # no gradient flows into token ids: factor 1
@@ -172,3 +174,21 @@ def test_a_head_reading_the_input_statistics_is_not_certified_silently():
     assert rep.head is None and rep.chained
     assert any("head" in n and "not certified" in n for n in rep.notes), rep.notes
     assert "note:" in rep.explain()
+
+
+def test_a_traced_certified_stack_gives_build_stacks_verdict():
+    from certblocks import build_stack
+    from certblocks.blocks import GatedMLP, LinearGrowthMamba, QKNormAttention
+
+    for dtype in ("bf16", "fp16", "fp32"):
+        torch.manual_seed(0)
+        blocks = [LinearGrowthMamba(32), GatedMLP(32, 64), QKNormAttention(32, 4)] * 2
+        stack = build_stack(blocks, dtype, seq_len=16, certify=False, r0=2.0)
+        rep = certify(stack.eval(), torch.randn(1, 16, 32))
+        assert rep.chained and rep.stem is None and rep.head is None and len(rep.segments) == 6
+        traced = rep.stack(dtype, r0=2.0)
+        own = stack.certificate
+        assert [u.certificate for u in rep.updates] == [
+            dataclasses.replace(c, name=u.name) for c, u in zip(own.updates, rep.updates)]
+        assert (traced.certified_depth, traced.forward_depth, traced.backward_depth, traced.radii) == (
+            own.certified_depth, own.forward_depth, own.backward_depth, own.radii), dtype

@@ -105,8 +105,14 @@ def test_power(p, expected):
 
 
 class DivByInput(nn.Module):
+    """A denominator with no proven lower bound (a linear function of x can vanish)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, 1)
+
     def forward(self, x):
-        return x / (x.abs().sum(-1, keepdim=True) + 1.0)
+        return x / (self.fc(x) + 1.0)
 
 
 def test_division_by_input_is_not_derived():
