@@ -182,7 +182,7 @@ def test_a_traced_certified_stack_gives_build_stacks_verdict():
 
     for dtype in ("bf16", "fp16", "fp32"):
         torch.manual_seed(0)
-        blocks = [LinearGrowthMamba(32), GatedMLP(32, 64), QKNormAttention(32, 4)] * 2
+        blocks = [b for _ in range(2) for b in (LinearGrowthMamba(32), GatedMLP(32, 64), QKNormAttention(32, 4))]
         stack = build_stack(blocks, dtype, seq_len=16, certify=False, r0=2.0)
         rep = certify(stack.eval(), torch.randn(1, 16, 32))
         assert rep.chained and rep.stem is None and rep.head is None and len(rep.segments) == 6
