@@ -17,7 +17,10 @@ Defaults used for certification (each family documents its own ``r0`` and ``seq_
 * ``r0``: a sound bound on the per-token norm of the state entering the first update, computed
   from the embedding weights (:meth:`ZooModel.input_radius`).
 * ``seq_len``: the model's maximal sequence length of residual-stream tokens.
-* ``dt = 1``, ``lip_g = 1``.
+* ``dt = 1``; ``Lip(G)`` from the model's head (:meth:`ZooModel.head_certificate`: the language
+  model's ``ln_f`` + ``lm_head``, the ViT's norm, pooling and classifier) times the loss gradient
+  (cross-entropy: ``sqrt(2)``); a forecaster's head undoes the input's instance normalization with
+  the input's own statistics, so it is not a map of the last state: ``lip_g`` (default 1) stands in.
 """
 
 from __future__ import annotations
@@ -30,12 +33,13 @@ import torch
 from torch import nn
 
 from certblocks._validation import check_bool, check_int
-from certblocks.bounds import one_thread
+from certblocks.bounds import one_thread, op_norm, row_norm_max, vec_norm
+from certblocks.bounds.normalization import module_norm_bounds
 from certblocks.budget import dtype_name
-from certblocks.certificate import BlockCertificate, StackCertificate, certify_stack
+from certblocks.certificate import BlockCertificate, Peak, StackCertificate, certify_stack
 from certblocks.stack import CertificationError, block_certificate
 
-__all__ = ["ZooModel", "DEFAULT_CERT_DTYPE", "renamed"]
+__all__ = ["ZooModel", "DEFAULT_CERT_DTYPE", "normed_linear_head", "renamed"]
 
 #: Certification dtype used at construction when none is given.
 DEFAULT_CERT_DTYPE = "bf16"
@@ -55,6 +59,8 @@ class ZooModel(nn.Module, metaclass=abc.ABCMeta):
     """
 
     cert_dtype: str = DEFAULT_CERT_DTYPE
+    #: Bound on the training loss's gradient in the head's output (1: no loss named).
+    loss_gradient: float = 1.0
 
     # -- to implement --------------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -68,6 +74,11 @@ class ZooModel(nn.Module, metaclass=abc.ABCMeta):
     @abc.abstractmethod
     def certificate_seq_len(self) -> int:
         """The number of residual-stream tokens the certificate is for (the longest input)."""
+
+    def head_certificate(self) -> Optional[BlockCertificate]:
+        """The head ``G`` (last state to output) as a map certificate, or ``None`` when the model's head is not
+        a map of the last state alone (then ``lip_g`` stands in for ``Lip(G)``)."""
+        return None
 
     # -- certificate ---------------------------------------------------------------------------------------
     def update_certificates(self, *, seq_len: Optional[int] = None) -> List[BlockCertificate]:
@@ -99,8 +110,8 @@ class ZooModel(nn.Module, metaclass=abc.ABCMeta):
         return cached[1]
 
     def certificate(self, dtype: Union[str, torch.dtype, None] = None, *, r0: Optional[float] = None,
-                    seq_len: Optional[int] = None, dt: float = 1.0, lip_g: float = 1.0) -> StackCertificate:
-        """The certificate of the model's residual stack from its current weights.
+                    seq_len: Optional[int] = None, dt: float = 1.0, lip_g: Optional[float] = None) -> StackCertificate:
+        """The certificate of the model's chain (embedding bound, residual updates, head) from its current weights.
 
         Args:
             dtype: the dtype (default: the model's ``cert_dtype``).
@@ -108,11 +119,16 @@ class ZooModel(nn.Module, metaclass=abc.ABCMeta):
                 :meth:`input_radius`, computed from the embedding weights).
             seq_len: sequence length of the residual stream (default: :meth:`certificate_seq_len`).
             dt: residual step (the zoo's models add ``v`` with step 1).
-            lip_g: Lipschitz constant of the loss head in the state.
+            lip_g: ``Lip(G)`` in place of the head's (default: the head's Jacobian bound times
+                :attr:`loss_gradient` when :meth:`head_certificate` gives one, else 1).
         """
         r = self._radius() if r0 is None else float(r0)
-        return certify_stack(self.update_certificates(seq_len=seq_len), dtype or self.cert_dtype, dt=dt, r0=r,
-                             lip_g=lip_g)
+        certs = self.update_certificates(seq_len=seq_len)
+        head = self.head_certificate() if lip_g is None else None
+        if head is not None:
+            return certify_stack(certs, dtype or self.cert_dtype, dt=dt, r0=r, head=head,
+                                 loss_grad=self.loss_gradient)
+        return certify_stack(certs, dtype or self.cert_dtype, dt=dt, r0=r, lip_g=1.0 if lip_g is None else lip_g)
 
     def _certify_or_refuse(self, certify: bool, cert_dtype: Union[str, torch.dtype, None]) -> None:
         """Set ``cert_dtype``; when ``certify``, raise :class:`CertificationError` if the model is not certified."""
@@ -129,3 +145,26 @@ class ZooModel(nn.Module, metaclass=abc.ABCMeta):
                 f"(r0 = {cert.r0:.4g}, seq_len = {self.certificate_seq_len()}): certified depth "
                 f"{cert.certified_depth} of {cert.depth}; {f.reason}. Fix: {f.fix}. "
                 "Build it with certify=False to get it anyway (its .certificate() still tells).", cert)
+
+
+def normed_linear_head(norms: List[nn.Module], linear: Optional[nn.Linear], name: str) -> BlockCertificate:
+    """The map certificate of ``linear(norm_k(... norm_1(x)))`` (normalizations, then a classifier): growth
+    ``||W|| A + ||b||`` whatever ``x`` (q = 0), Jacobian ``||W|| prod G`` (sigma = 0), every entry below the
+    last normalization's ``A`` and the logits' bound (``A`` and ``G`` from :mod:`certblocks.bounds.normalization`;
+    token pooling between them -- the class token, or the mean over tokens -- has norm 1 in the per-token norm).
+    """
+    if not norms:
+        raise ValueError("a normed head needs at least one normalization (its output bound)")
+    a, g = 0.0, 1.0
+    for norm in norms:
+        a, gk = module_norm_bounds(norm)
+        g *= gk
+    if linear is None:
+        return BlockCertificate(0.0, 0.0, c=0.0, b=a, l1=0.0, l0=g, name=name, kind="map", peak=Peak(0.0, 0.0, a))
+    w = op_norm(linear.weight)
+    bias = vec_norm(linear.bias)
+    logits = row_norm_max(linear.weight) * a + (float(linear.bias.detach().abs().max()) if linear.bias is not None
+                                                else 0.0)
+    out = (w * a + bias) * (1.0 + 2.0**-50)
+    return BlockCertificate(0.0, 0.0, c=0.0, b=out, l1=0.0, l0=w * g * (1.0 + 2.0**-50), name=name, kind="map",
+                            peak=Peak(0.0, 0.0, max(a, logits) * (1.0 + 2.0**-50), "logits"))

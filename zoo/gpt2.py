@@ -37,8 +37,9 @@ from certblocks._validation import check_bool, check_int, check_prob
 from certblocks.blocks.attention import QKNormAttention
 from certblocks.blocks.mlp import MLP
 from certblocks.bounds import row_norm_max
+from certblocks.certificate import BlockCertificate, cross_entropy_gradient
 
-from ._base import ZooModel
+from ._base import ZooModel, normed_linear_head
 from ._registry import register_model
 
 __all__ = ["GPT2QKNorm", "GPT2LoadReport"]
@@ -152,6 +153,12 @@ class GPT2QKNorm(ZooModel):
         for i, blk in enumerate(self.transformer.h):
             out += [(f"transformer.h.{i}.attn", blk.attn), (f"transformer.h.{i}.mlp", blk.mlp)]
         return out
+
+    loss_gradient = cross_entropy_gradient  # trained with cross-entropy (mean reduction)
+
+    def head_certificate(self) -> BlockCertificate:
+        """``lm_head(ln_f(x))``: ``Lip(G) = ||W_lm|| G(ln_f)``, logits below ``max_i ||w_i|| A(ln_f)``."""
+        return normed_linear_head([self.transformer.ln_f], self.lm_head, "transformer.ln_f+lm_head")
 
     def input_radius(self) -> float:
         """``max_i ||wte_i|| + max_j ||wpe_j||``: bound on every embedded token's norm."""

@@ -31,8 +31,9 @@ from torch import nn
 from certblocks.blocks.attention import QKNormAttention
 from certblocks.blocks.mlp import MLP, activation_name
 from certblocks.bounds import op_norm, row_norm_max, vec_norm
+from certblocks.certificate import BlockCertificate, cross_entropy_gradient
 
-from ._base import ZooModel
+from ._base import ZooModel, normed_linear_head
 from ._registry import register_model as zoo_register
 
 __all__ = ["CertifiedViTBlock", "CertifiedVisionTransformer"]
@@ -85,6 +86,19 @@ class CertifiedVisionTransformer(VisionTransformer, ZooModel):
         for i, blk in enumerate(self.blocks):
             out += [(f"blocks.{i}.attn", blk.attn), (f"blocks.{i}.mlp", blk.mlp)]
         return out
+
+    loss_gradient = cross_entropy_gradient  # a classifier trained with cross-entropy (mean reduction)
+
+    def head_certificate(self) -> Optional[BlockCertificate]:
+        """``head(fc_norm(pool(norm(x))))``; ``None`` when a part is not a LayerNorm/RMSNorm, a Linear or an
+        identity (an attention pool: ``lip_g`` stands in)."""
+        norms = [m for m in (self.norm, self.fc_norm) if not isinstance(m, nn.Identity)]
+        head = None if isinstance(self.head, nn.Identity) else self.head
+        if (getattr(self, "attn_pool", None) is not None or not norms
+                or not all(isinstance(m, (nn.LayerNorm, nn.RMSNorm)) for m in norms)
+                or (head is not None and not isinstance(head, nn.Linear))):
+            return None
+        return normed_linear_head(norms, head, "norm+head")
 
     def input_radius(self) -> float:
         cfg = getattr(self, "pretrained_cfg", None) or {}

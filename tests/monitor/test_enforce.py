@@ -181,7 +181,10 @@ def test_zoo_model_enforced() -> None:
         _, loss = model(idx, idx)
         (-loss).backward()
         opt.step()
-    assert model.certificate("fp16", r0=r0).ok
+    # enforce caps the residual updates for the run's Lip(G) (1 here); the head is not capped, and after
+    # these steps the model's own chain (its lm_head's Lip(G)) is not certified: the updates' stack is
+    assert model.certificate("fp16", r0=r0, lip_g=1.0).ok
+    assert not model.certificate("fp16", r0=r0).ok
     mon = CertificateMonitor(model, "fp16", r0=r0, every=1, threshold=-1e9)  # the monitor reads effective weights
     model(idx, idx)[1].backward()
     assert mon.step()["stack/ok"]
