@@ -408,7 +408,11 @@ class _SelfAttention(nn.Module):
             logits = {2.0: s * max(n.kappa), 1.0: s * n.cross, 0.0: s * n.const}
             return bounds.fold_peak([qkv, logits, out, probs], "query-key logits")
         logits = {0.0: s * n.a_q * n.a_k}
-        return bounds.fold_peak([qkv, logits, out, probs], "q/k/v projection")
+        # the normalized queries and keys themselves: entries below their norm bound A; the l2 kind is computed
+        # as an RMS normalization scaled by 1/sqrt(head_dim) afterwards, whose entries reach sqrt(head_dim) A
+        widen = math.sqrt(self.head_dim) if self.qk_norm == "l2" else 1.0
+        normed = {0.0: widen * max(n.a_q, n.a_k)}
+        return bounds.fold_peak([qkv, logits, out, probs, normed], "q/k/v projection")
 
     # -- conversion -----------------------------------------------------------------------------------------
     @classmethod

@@ -41,8 +41,9 @@ class SplitQKVRMSNorm(torch.autograd.Function):
         B, T, C3 = qkv.shape
         hd = C3 // (3 * num_heads)
         x = qkv.view(B, T, 3, num_heads, hd).permute(2, 0, 3, 1, 4)  # (3, B, nh, T, hs) view
-        ms = torch.linalg.vector_norm(x[:2], dim=-1, keepdim=True).square_().mul_(1.0 / hd)
-        r = torch.rsqrt(ms.add_(eps))  # (2, B, nh, T, 1)
+        # the sum of squares in float32 at least: squared in fp16 it overflows once a head's norm passes 256
+        ms = torch.linalg.vector_norm(x[:2], dim=-1, keepdim=True, dtype=torch.promote_types(qkv.dtype, torch.float32))
+        r = torch.rsqrt(ms.square_().mul_(1.0 / hd).add_(eps)).to(qkv.dtype)  # (2, B, nh, T, 1)
         xhat = torch.empty((2, B, num_heads, T, hd), dtype=qkv.dtype, device=qkv.device)
         torch.mul(x[:2], r, out=xhat)
         w = torch.stack([wq, wk])[:, None, None, None, :]  # (2, 1, 1, 1, hs)

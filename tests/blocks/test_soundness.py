@@ -196,3 +196,32 @@ def test_normed_update_is_sound(case):
     assert j.ok, f"{case}: Jacobian bound violated: {j.describe()}"
     if "-mamba" not in case:  # the free Mamba's degree-5 bound is loose by design (its value here is 1e-5 of it)
         assert g.ratio > 0.01, f"{case}: the growth search found nothing close to the bound ({g.ratio})"
+
+
+def test_l2_qk_norm_peak_covers_the_normalized_queries():
+    """The l2 QK-norm is computed as an RMS normalization scaled afterwards: its entries reach sqrt(head_dim)."""
+    import certblocks.testing as cbt
+    from certblocks.blocks import QKNormAttention
+
+    torch.manual_seed(0)
+    for fast in (True, False):
+        blk = QKNormAttention(32, 4, qk_norm="l2").eval().double()
+        with torch.no_grad():
+            blk.in_proj.bias.zero_()
+            blk.in_proj.bias[0] = 1.0  # x = 0: the query of head 0 is e_0
+        x = torch.zeros(1, 3, 32, dtype=torch.float64)
+        f = blk if fast else blk.forward_reference
+        top = float(cbt.largest_intermediate(f, x))
+        assert top <= blk.certificate(seq_len=3).peak_bound(0.0), (fast, top)
+
+
+def test_fused_qk_norm_sums_squares_in_float32():
+    from certblocks.blocks import QKNormAttention
+
+    torch.manual_seed(0)
+    blk = QKNormAttention(32, 4).eval()
+    x = torch.randn(1, 5, 32) * 2000.0  # head norms far above 256: their squares overflow fp16
+    ref = blk.forward_reference(x)
+    out = blk.half()(x.half())
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref, atol=0.05 * float(ref.abs().max()), rtol=0.05)
