@@ -83,10 +83,15 @@ def bind_args(node: torch.fx.Node) -> Optional[Dict[str, Any]]:
 
 
 def strip_casts(n: Any) -> Any:
-    """Follow :data:`CASTS` back to the tensor they copy (anything that is not such a node is returned as is)."""
-    while (isinstance(n, torch.fx.Node) and n.op == "call_function" and op_name(n.target) in CASTS and n.args
-           and isinstance(n.args[0], torch.fx.Node)):
-        n = n.args[0]
+    """Follow :data:`CASTS` back to the tensor they copy (anything that is not such a node is returned as is).
+
+    ``copy(self, src)`` and ``fill_(self, value)`` hold the values of their second argument, not of ``self``: they
+    are followed to it (a ``fill_`` with a number is a constant and stops the walk)."""
+    while isinstance(n, torch.fx.Node) and n.op == "call_function" and op_name(n.target) in CASTS and n.args:
+        k = 1 if op_name(n.target) in ("aten.copy", "aten.fill_") else 0
+        if len(n.args) <= k or not isinstance(n.args[k], torch.fx.Node):
+            break
+        n = n.args[k]
     return n
 
 

@@ -192,3 +192,25 @@ def test_a_traced_certified_stack_gives_build_stacks_verdict():
             dataclasses.replace(c, name=u.name) for c, u in zip(own.updates, rep.updates)]
         assert (traced.certified_depth, traced.forward_depth, traced.backward_depth, traced.radii) == (
             own.certified_depth, own.forward_depth, own.backward_depth, own.radii), dtype
+
+
+def test_strip_casts_follows_copy_to_its_source():
+    from certblocks.trace.capture import capture
+    from certblocks.trace.nodes import op_name, strip_casts
+
+    class Written(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.f = Tanh()
+
+        def forward(self, x):
+            buf = torch.zeros_like(x)
+            buf.copy_(self.f(x))
+            return x + buf
+
+    g = capture(Written().eval(), (torch.randn(1, 3, 8),), {})
+    copies = [n for n in g.nodes if n.op == "call_function" and op_name(n.target) == "aten.copy"]
+    assert copies, [op_name(n.target) for n in g.nodes if n.op == "call_function"]
+    assert op_name(strip_casts(copies[0]).target) == "aten.tanh"
+    rep = certify(Written().eval(), torch.randn(1, 3, 8))
+    assert len(rep.updates) == 1 and rep.updates[0].q == 0  # x + tanh(...): the copy holds the branch
