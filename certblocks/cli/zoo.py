@@ -38,17 +38,20 @@ def model_table(model: Any, dtypes: Sequence[str] = DEFAULT_DTYPES, *, markdown:
     f3 = format_number
     certs = [model.certificate(d) for d in dtypes]
     first = certs[0]
-    rows = [[u.name, format_exponents(u.q, u.sigma), f3(u.c), f3(u.b), f3(u.l1), f3(u.l0)] for u in first.updates]
+    segs = list(first.updates) + ([first.head] if first.head is not None else [])
+    rows = [[u.name + ("" if u.kind == "update" else f" ({'head' if u is first.head else u.kind})"),
+             format_exponents(u.q, u.sigma), f3(u.c), f3(u.b), f3(u.l1), f3(u.l0)] for u in segs]
     upd = render_table(["update", "(q, sigma)", "c", "b", "l1", "l0"], rows, markdown=markdown)
     drows = []
     for c in certs:
         f = c.first_failure
         drows.append([c.dtype, verdict(c), str(c.forward_depth), str(c.backward_depth), f3(c.radii[-1]),
-                      f3(c.log_gradient_bound), "-" if f is None else f"{f.kind} at update {f.index} ({f.name})"])
+                      f3(c.log_gradient_bound), "-" if f is None else f"{f.kind} at {f.segment} {f.index} ({f.name})"])
     dt = render_table(["dtype", "certified", "D_F", "D_grad", "R_D", "log grad bound", "first failure"], drows,
                       markdown=markdown)
+    lip = "" if first.head is None else f" (head x loss gradient {first.loss_grad:.4g})"
     head = (f"r0 = {f3(first.r0)}, seq_len = {model.certificate_seq_len()}, dt = {first.dt:g}, "
-            f"Lip(G) = {first.lip_g:g}")
+            f"Lip(G) = {first.lip_g:g}{lip}")
     return f"{head}\n\n{upd}\n\n{dt}" if markdown else f"{head}\n{upd}\n\n{dt}"
 
 
