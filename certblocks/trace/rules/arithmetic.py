@@ -15,7 +15,7 @@ from ... import exponents as E
 from ...bounds.poly import Poly, psum
 from ..nodes import is_same, op_name, strip_casts
 from ..values import AValue, max_abs, row_norm
-from .common import broadcast_factor, flip_sign, scaled, sign_mul, unknown
+from .common import broadcast_factor, flip_sign, scaled, sign_mul, switched, unknown
 from .normalizations import recognize_norm
 from .registry import register_rule
 
@@ -155,14 +155,17 @@ def _is_max_of(m: Any, x: Any) -> bool:
 
 @register_rule("aten.where")
 def where(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
+    """Every entry of ``where(c, x, y)`` is the entry of ``x`` or of ``y``: the sum rule bounds it whatever ``c``.
+    A condition that depends on the input switches discontinuously: q is kept, sigma is not derived."""
     cond, x, y = a["condition"], a["self"], a["other"]
-    if isinstance(cond, AValue) and not cond.const:
-        return unknown(shape, "where() with a condition that depends on the input (a discontinuous switch)")
     xs = [v if isinstance(v, AValue) else AValue.constant(torch.as_tensor(float(v))) for v in (x, y)]
     out = add(it, n, {"self": xs[0], "other": xs[1], "alpha": 1}, shape)
-    out.rule = "where with a constant condition (sum rule)"
     out.sign = xs[0].sign if xs[0].sign == xs[1].sign else None
+    if isinstance(cond, AValue) and not cond.const:
+        return switched(out, "where() with a condition that depends on the input (a discontinuous switch)")
+    out.rule = "where with a constant condition (sum rule)"
     return out
+
 
 
 def _scalar(v: Any) -> Optional[float]:

@@ -6,6 +6,7 @@ import math
 from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 
 from ...bounds.poly import Poly
+from ...exponents import Exponents
 from ..values import AValue
 
 __all__ = [
@@ -115,3 +116,13 @@ def sign_mul(s1: Optional[str], s2: Optional[str]) -> Optional[str]:
 def flip_sign(s: Optional[str]) -> Optional[str]:
     """Sign of a negated value."""
     return _FLIP.get(s)
+
+
+def switched(out: AValue, why: str) -> AValue:
+    """``out`` with its growth bounds kept and its Jacobian dropped: an input-dependent switch (``where``,
+    ``masked_fill`` with an input-dependent condition) is discontinuous, so sigma is not derived."""
+    out.exps = Exponents(out.exps.q, None)
+    out.jacobian = None
+    out.rule = why
+    out.bad = why
+    return out

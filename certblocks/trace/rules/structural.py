@@ -16,7 +16,7 @@ from ... import exponents as E
 from ...bounds.poly import Poly, psum
 from ..nodes import IDENTITY_OPS, VIEW_OPS, op_name
 from ..values import AValue, max_abs
-from .common import broadcast_factor, first_tensor, pmax, scaled, sqrt_last, unknown, view_factor
+from .common import broadcast_factor, first_tensor, pmax, scaled, sqrt_last, switched, unknown, view_factor
 from .registry import register_rule
 
 Args = Dict[str, Any]
@@ -179,9 +179,9 @@ def pad(it: Any, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
 
 @register_rule("aten.masked_fill")
 def masked_fill(it: Any, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
+    """Every entry is the input's or ``value``: ``|out_i| <= max(|x_i|, |value|)`` whatever the mask.  A mask that
+    depends on the input switches discontinuously: q is kept, sigma is not derived."""
     x, mask, value = a["self"], a["mask"], a["value"]
-    if isinstance(mask, AValue) and not mask.const:
-        return unknown(shape, "masked_fill with a mask that depends on the input (a discontinuous switch)")
     if isinstance(value, AValue):
         if not value.const:
             return unknown(shape, "masked_fill with a value that depends on the input")
@@ -192,6 +192,8 @@ def masked_fill(it: Any, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
     if math.isinf(v):
         out.growth = Poly.const(math.inf)
         out.max_abs = Poly.const(math.inf)
+    if isinstance(mask, AValue) and not mask.const:
+        return switched(out, "masked_fill with a mask that depends on the input (a discontinuous switch)")
     return out
 
 
