@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
+from torch import nn
 
 from .capture import CapturedGraph
 from .nodes import op_name, strip_casts
@@ -206,26 +207,35 @@ def _merge_open(g: CapturedGraph, segs: List[Segment], dep: Set[str], stream: Se
     return out
 
 
+def _deepest_common(stacks: List[List[str]]) -> List[str]:
+    common = stacks[0]
+    for st in stacks[1:]:
+        k = 0
+        while k < min(len(common), len(st)) and common[k] == st[k]:
+            k += 1
+        common = common[:k]
+    return common
+
+
 def segment_name(g: CapturedGraph, seg: Segment) -> str:
-    """A name for a map segment: the deepest module holding all its operations, else the deepest module of
-    each group of operations under one top module (``"transformer.ln_f+lm_head"``), else its output node."""
+    """A name for a map segment: the deepest module holding all its operations (unless it is a list of layers),
+    else the deepest module of each group of operations below the modules they share
+    (``"layers.0.blocks.0+layers.1.downsample"``), else its output node."""
     sub = g.between(seg.start, seg.end) - {seg.start.name}
     calls = [g.nodes[g.index[n]] for n in sorted(sub, key=g.index.get) if g.nodes[g.index[n]].op == "call_function"]
     stacks = [[p for p, _ in g.module_stack(n)] for n in calls]
-    if not calls or not any(stacks):
+    inside = [st for st in stacks if st]
+    if not inside:
         return seg.end.name
+    shared = _deepest_common(inside)
     groups: Dict[str, List[List[str]]] = {}
-    for st in stacks:
-        groups.setdefault(st[0] if st else "", []).append(st)
-    names: List[str] = []
-    for top, members in groups.items():
-        if not top:
-            continue
-        common = members[0]
-        for st in members[1:]:
-            k = 0
-            while k < min(len(common), len(st)) and common[k] == st[k]:
-                k += 1
-            common = common[:k]
-        names.append(common[-1])
+    for st in inside:
+        if len(st) > len(shared):  # operations sitting in the shared module itself name nothing more
+            groups.setdefault(st[len(shared)], []).append(st)
+    container = isinstance(g.get_module(shared[-1]), (nn.ModuleList, nn.ModuleDict, nn.Sequential)) if shared else True
+    if shared and len(inside) == len(stacks) and (len(groups) <= 1 or not container):
+        return shared[-1]  # one module (a list of layers is named by the layers the segment touches)
+    if not groups:
+        return shared[-1]
+    names = [_deepest_common(members)[-1] for members in groups.values()]
     return "+".join(names[:3]) + ("+..." if len(names) > 3 else "")

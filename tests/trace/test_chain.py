@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from torch import nn
 
@@ -214,3 +215,13 @@ def test_strip_casts_follows_copy_to_its_source():
     assert op_name(strip_casts(copies[0]).target) == "aten.tanh"
     rep = certify(Written().eval(), torch.randn(1, 3, 8))
     assert len(rep.updates) == 1 and rep.updates[0].q == 0  # x + tanh(...): the copy holds the branch
+
+
+def test_map_names_follow_the_modules():
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    swin = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, depths=(1, 1), num_heads=(1, 2),
+                             embed_dim=16, img_size=28, window_size=7, num_classes=3).eval()
+    rep = certify(swin, torch.randn(1, 3, 28, 28))
+    maps = [s.name for s in rep.segments if s.certificate.kind == "map"]
+    assert rep.stem.name == "patch_embed" and "layers.0.blocks.0+layers.1.downsample" in maps, maps
