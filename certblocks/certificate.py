@@ -8,7 +8,8 @@
 * :class:`StackCertificate` -- a finite chain of segments, residual updates and
   maps, from a model's input to its head (:func:`certify_stack`).
 
-All three render as text (``str``/``explain``) and JSON (``to_dict``/``to_json``).
+All three render as text (``str``/``explain``) and JSON (``to_dict``/``to_json``).  Where a chain
+fails and the fix in words live in :mod:`certblocks.failures` (re-exported here).
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Sequence, Tuple, Union
 
 from . import budget as _budget
+from ._format import fmt_num as _fmt_num
+from ._format import json_number
 from .exponents import Exponents
+from .failures import Failure, head_gradient_failure, locate_failure, suggest_fix
 
 __all__ = ["BlockCertificate", "Depths", "Failure", "KINDS", "Peak", "StackCertificate", "certify_stack",
            "cross_entropy_gradient", "json_number", "suggest_fix"]
@@ -36,28 +40,6 @@ KINDS = ("update", "map", "block")
 cross_entropy_gradient = math.sqrt(2.0)
 
 Depth = Union[int, float]
-
-
-def _fmt_num(x: float | None) -> str:
-    if x is None:
-        return "?"
-    if isinstance(x, int) and not isinstance(x, bool):
-        return f"{x:,}" if abs(x) < 10**15 else f"{float(x):.3g}"
-    if math.isinf(x):
-        return "inf"
-    if math.isnan(x):
-        return "?"
-    return f"{x:.4g}"
-
-
-def json_number(x: Any) -> Any:
-    """JSON has no inf/nan and loses big ints in many readers: inf -> "inf", huge ints stay ints."""
-    if isinstance(x, float):
-        if math.isinf(x):
-            return "inf" if x > 0 else "-inf"
-        if math.isnan(x):
-            return None
-    return x
 
 
 @dataclass(frozen=True)
@@ -288,69 +270,6 @@ class Depths:
         return (f"{self.dtype}: D_F={_fmt_num(self.forward)}, D_grad={_fmt_num(self.backward)}, "
                 f"D_cert={_fmt_num(self.certified)}{tag}")
 
-
-def suggest_fix(cert: BlockCertificate, kind: str) -> str:
-    """A fix in words for a failing update or map (THEORY.md section 4).
-
-    Args:
-        cert: the failing segment's certificate.
-        kind: ``"forward"``, ``"backward"``, ``"intermediate"`` (an intermediate
-            reaches ``M`` before the state does) or ``"unknown"``.
-    """
-    if cert.kind != "update" and cert.q is not None and cert.q <= 1 and kind != "unknown":
-        what = "Jacobian" if kind == "backward" else "gain"
-        where = "map" if cert.kind == "map" else "residual block"
-        return (f"this {where}'s {what} is too large for the dtype whatever the depth: reduce its operator norm "
-                "(rescale or normalize its weights, or normalize its output), bound the input radius, or use a "
-                "wider dtype")
-    if kind == "intermediate":
-        what = cert.peak.what if cert.peak is not None and cert.peak.what else "the largest intermediate"
-        order = f" (it grows like ||x||^{cert.peak.q:g})" if cert.peak is not None else ""
-        hint = (" -- normalize queries and keys (QK-norm bounds the logits)" if "logit" in what else
-                " -- normalize or bound the inputs of the product that makes it")
-        return f"bound {what}{order}{hint}; or use a wider dtype, a smaller input radius or fewer updates"
-    if cert.fix:
-        return cert.fix
-    if kind == "unknown":
-        return ("the exponents of this update were not derived: replace the primitive outside the class "
-                "(exp of an argument of unknown sign, division, ...) or register an atom for it")
-    if cert.q is not None and cert.q > 1:
-        return (f"q = {cert.q:g} > 1: normalize the input of the primitive with the largest exponent (q -> 0) or "
-                "swap it for a Lipschitz or bounded substitute (q -> 1), e.g. a sigmoid gate instead of SiLU")
-    if kind == "backward" and cert.sigma is not None and cert.sigma > 0:
-        return (f"sigma = {cert.sigma:g} > 0: bound the culprit -- normalize the branch input (sigma -> 0), or for "
-                "attention normalize queries and keys (QK-norm removes the R^2 term); or use a wider dtype, "
-                "a smaller dt or fewer updates")
-    return ("the coefficients are too large for this depth: reduce the operator norms (c, l0), the step dt or the "
-            "depth, or use a wider dtype")
-
-
-@dataclass(frozen=True)
-class Failure:
-    """Where a chain stops being certified.
-
-    Attributes:
-        index: the failing segment (0-based, into :attr:`StackCertificate.updates`; ``len(updates)`` for
-            the head).
-        name: that segment's name.
-        kind: ``"forward"``, ``"backward"`` or ``"unknown"`` (exponents not derived).
-        reason: a sentence saying what fails.
-        fix: what to change.
-        segment: the failing segment's kind (``"update"``, ``"map"``, ``"block"`` or ``"head"``).
-    """
-
-    index: int
-    name: str
-    kind: str
-    reason: str
-    fix: str
-    segment: str = "update"
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {"index": self.index, "name": self.name, "kind": self.kind, "segment": self.segment,
-                "reason": self.reason, "fix": self.fix}
-
-
 @dataclass(frozen=True)
 class StackCertificate:
     """Certificate of a finite chain of segments (:func:`certify_stack`).
@@ -460,8 +379,9 @@ class StackCertificate:
                          "-" if h.peak is None else _fmt_num(h.peak_bound(self.radii[-1])),
                          _fmt_num(math.log(self.lip_g)), "-"))
         widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
-        line = lambda r: "  ".join(s.rjust(w) if i not in (1, 2) else s.ljust(w)  # noqa: E731
-                                   for i, (s, w) in enumerate(zip(r, widths)))
+        def line(r: Tuple[str, ...]) -> str:  # names and kinds left, numbers right
+            return "  ".join(s.rjust(w) if i not in (1, 2) else s.ljust(w) for i, (s, w) in enumerate(zip(r, widths)))
+
         out = [head, line(cols), line(tuple("-" * w for w in widths))]
         out += [line(r) for r in rows]
         out.append(f"R_{len(self.updates)} = {_fmt_num(self.radii[-1])}"
@@ -545,14 +465,11 @@ def certify_stack(certs: Sequence[BlockCertificate], dtype: object, *, dt: float
     failure = None
     head_fails = scan.forward_overflow == n + 1
     if head_backward and (fwd_seg < n or head_fails):  # a forward failure comes first
-        failure = _failure(certs, name, fwd_seg, scan, unknown, fwd_seg, n, head)
+        failure = locate_failure(certs, name, fwd_seg, scan, unknown, fwd_seg, n, head)
     elif head_backward:
-        reason = (f"the head '{head.name or 'head'}' has Lip(G) >= {lip_g:.4g} on the reachable ball (its Jacobian "  # type: ignore[union-attr]
-                  f"bound at R_{n} = {_fmt_num(scan.radii[-1])} times the loss gradient {loss_grad:g}): the "
-                  f"gradient at the model output can reach M = {M:.4g}, so the head is not certified at any depth")
-        failure = Failure(n, head.name, "backward", reason, suggest_fix(head, "backward"), "head")  # type: ignore[union-attr]
+        failure = head_gradient_failure(head, n, lip_g, loss_grad, scan.radii[-1], M)  # type: ignore[arg-type]
     elif cert_seg < n or head_fails:
-        failure = _failure(certs, name, cert_seg, scan, unknown, fwd_seg, bwd_seg, head)
+        failure = locate_failure(certs, name, cert_seg, scan, unknown, fwd_seg, bwd_seg, head)
 
     def updates_before(seg: int) -> int:
         return sum(1 for c in certs[:seg] if c.is_update)
@@ -569,60 +486,3 @@ def _head_lipschitz(head: BlockCertificate, radius: float, loss_grad: float) -> 
     v = j * loss_grad
     v = math.nextafter(v, math.inf) if math.isfinite(v) else sys.float_info.max
     return min(max(v, sys.float_info.min), sys.float_info.max)
-
-
-def _describe(k: int, cert: BlockCertificate) -> str:
-    culprit = f", culprit: {cert.culprit}" if cert.culprit else ""
-    what = {"update": "update", "map": "map", "block": "residual block"}[cert.kind]
-    return f"{what} {k} ({cert.name or 'unnamed'}) with {cert.exponents}{culprit}"
-
-
-def _failure(certs, dtype, k, scan, unknown, fwd_seg, bwd_seg, head) -> Failure:
-    """The failure at segment ``k`` (``len(certs)``: the head)."""
-    M = _budget.float_max(dtype)
-    n = len(certs)
-    if k == n:  # every segment passes; the head's output or intermediates reach M
-        R = _fmt_num(scan.radii[-1])
-        if scan.forward_intermediate:
-            what = head.peak.what if head.peak is not None and head.peak.what else "an intermediate value"
-            reason = (f"{what} of the head '{head.name or 'head'}' can reach M = {M:.4g} at the last state's radius "
-                      f"R_{n} = {R}: the head is not certified at any depth of this chain")
-            return Failure(n, head.name, "forward", reason, suggest_fix(head, "intermediate"), "head")
-        reason = (f"the output bound {_fmt_num(scan.output_bound)} of the head '{head.name or 'head'}' reaches "
-                  f"M = {M:.4g} at the last state's radius R_{n} = {R}")
-        return Failure(n, head.name, "forward", reason, suggest_fix(head, "forward"), "head")
-    cert = certs[k]
-    seg = cert.kind
-    at = (f"at depth {sum(1 for c in certs[:k + 1] if c.is_update)}" if cert.is_update
-          else "whatever the depth (a map is not a residual update: it is not certified at any depth)")
-    if unknown is not None and k == unknown and k <= fwd_seg and k <= bwd_seg:
-        missing = "q and sigma" if cert.q is None and cert.sigma is None else ("q" if cert.q is None else "sigma")
-        reason = f"{_describe(k, cert)} has {missing} not derived"
-        return Failure(k, cert.name, "unknown", reason, suggest_fix(cert, "unknown"), seg)
-    if fwd_seg <= bwd_seg and scan.forward_intermediate and k + 1 == scan.forward_overflow:
-        what = cert.peak.what if cert.peak is not None and cert.peak.what else "an intermediate value"
-        state = " (the state itself stays below M there)" if scan.radii[k + 1] < M else ""
-        reason = (f"{what} of {_describe(k, cert)} can reach M = {M:.4g} {at}: its bound "
-                  f"{_fmt_num(cert.peak_bound(scan.radii[k]))} at the input radius R_{k} = {_fmt_num(scan.radii[k])}"
-                  f"{state}")
-        return Failure(k, cert.name, "forward", reason, suggest_fix(cert, "intermediate"), seg)
-    if fwd_seg <= bwd_seg:
-        reason = f"the forward bound reaches M = {M:.4g} {at}, after {_describe(k, cert)}"
-        # A superlinear segment upstream is the culprit of a forward failure: name the first with the largest q.
-        qs = [u.q if u.q is not None else -1.0 for u in certs[: k + 1]]
-        worst = qs.index(max(qs))
-        if qs[worst] > 1 and worst != k:
-            reason += f"; the superlinear growth comes from {_describe(worst, certs[worst])}"
-            return Failure(k, cert.name, "forward", reason, suggest_fix(certs[worst], "forward"), seg)
-        return Failure(k, cert.name, "forward", reason, suggest_fix(cert, "forward"), seg)
-    jac = _fmt_num(cert.jacobian_bound(scan.radii[k]))
-    reason = (f"the backward (gradient) bound reaches M = {M:.4g} {at}, after {_describe(k, cert)} "
-              f"whose Jacobian bound on the reachable ball is L(R_{k}) <= {jac}")
-    if head is not None:
-        reason += f" (with Lip(G) of the head '{head.name or 'head'}' in the budget)"
-    # Name the segment with the largest factor as the culprit of a backward failure.
-    factors = scan.log_factors[: k + 1]
-    worst = max(range(len(factors)), key=lambda i: -math.inf if math.isnan(factors[i]) else factors[i])
-    if worst != k:
-        reason += f"; the largest factor comes from {_describe(worst, certs[worst])}"
-    return Failure(k, cert.name, "backward", reason, suggest_fix(certs[worst], "backward"), seg)

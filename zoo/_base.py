@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import List, Optional, Tuple, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -99,15 +99,19 @@ class ZooModel(nn.Module, metaclass=abc.ABCMeta):
         return (tuple((id(p), p._version, p.dtype, p.device) for p in self.parameters()),
                 tuple((id(b), b._version) for b in self.buffers()))
 
-    def _radius(self) -> float:
-        """:meth:`input_radius`, cached like the update certificates."""
+    def _cached(self, slot: str, compute: Callable[[], Any]) -> Any:
+        """``compute()``, cached like the update certificates (recomputed when a weight changed)."""
         key = self._weights_key()
-        cached = self.__dict__.get("_radius_cache")
+        cached = self.__dict__.get(slot)
         if cached is None or cached[0] != key:
             with one_thread():
-                cached = (key, float(self.input_radius()))
-            self.__dict__["_radius_cache"] = cached
+                cached = (key, compute())
+            self.__dict__[slot] = cached
         return cached[1]
+
+    def _radius(self) -> float:
+        """:meth:`input_radius`, cached."""
+        return self._cached("_radius_cache", lambda: float(self.input_radius()))
 
     def certificate(self, dtype: Union[str, torch.dtype, None] = None, *, r0: Optional[float] = None,
                     seq_len: Optional[int] = None, dt: float = 1.0, lip_g: Optional[float] = None) -> StackCertificate:
@@ -124,7 +128,7 @@ class ZooModel(nn.Module, metaclass=abc.ABCMeta):
         """
         r = self._radius() if r0 is None else float(r0)
         certs = self.update_certificates(seq_len=seq_len)
-        head = self.head_certificate() if lip_g is None else None
+        head = self._cached("_head_cache", self.head_certificate) if lip_g is None else None
         if head is not None:
             return certify_stack(certs, dtype or self.cert_dtype, dt=dt, r0=r, head=head,
                                  loss_grad=self.loss_gradient)

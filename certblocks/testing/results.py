@@ -62,8 +62,33 @@ _WHAT = {"growth": "||v(x)||", "jacobian": "||dv(x)|| >=", "peak": "largest inte
          "state": "||X_k||", "costate": "dual norm of the costate"}
 
 
+class _Verdict:
+    """``failures``, ``ok`` and the text of a report whose ``results`` are its checks' worst cases."""
+
+    name: str
+    _title = "soundness search for"
+
+    @property
+    def results(self) -> List[CheckResult]:
+        raise NotImplementedError
+
+    @property
+    def failures(self) -> List[CheckResult]:
+        """The checks that found a counterexample."""
+        return [r for r in self.results if not r.ok]
+
+    @property
+    def ok(self) -> bool:
+        """No check found a counterexample."""
+        return not self.failures
+
+    def __str__(self) -> str:
+        head = f"{self._title} {self.name}: {'no counterexample' if self.ok else 'COUNTEREXAMPLE'}"
+        return "\n".join([head] + ["  " + r.describe() for r in self.results])
+
+
 @dataclass(frozen=True)
-class SoundnessReport:
+class SoundnessReport(_Verdict):
     """What :func:`search` found, check by check (``None``: not run).
 
     Attributes:
@@ -83,23 +108,9 @@ class SoundnessReport:
         """The checks that ran, in :data:`CHECKS` order."""
         return [r for r in (self.growth, self.jacobian, self.peak) if r is not None]
 
-    @property
-    def failures(self) -> List[CheckResult]:
-        """The checks that found a counterexample."""
-        return [r for r in self.results if not r.ok]
-
-    @property
-    def ok(self) -> bool:
-        """No check found a counterexample."""
-        return not self.failures
-
-    def __str__(self) -> str:
-        head = f"soundness search for {self.name}: {'no counterexample' if self.ok else 'COUNTEREXAMPLE'}"
-        return "\n".join([head] + ["  " + r.describe() for r in self.results])
-
 
 @dataclass(frozen=True)
-class ModelSoundnessReport:
+class ModelSoundnessReport(_Verdict):
     """What :func:`search_model` found on a whole model, check by check.
 
     Attributes:
@@ -109,6 +120,7 @@ class ModelSoundnessReport:
 
     name: str
     checks: Tuple[CheckResult, ...] = ()
+    _title = "soundness search for the model"
 
     @property
     def results(self) -> List[CheckResult]:
@@ -120,20 +132,6 @@ class ModelSoundnessReport:
             if r.check == check:
                 return r
         raise KeyError(f"the search ran no {check!r} check; it ran {[r.check for r in self.checks]}")
-
-    @property
-    def failures(self) -> List[CheckResult]:
-        """The checks that found a counterexample."""
-        return [r for r in self.checks if not r.ok]
-
-    @property
-    def ok(self) -> bool:
-        """No check found a counterexample."""
-        return not self.failures
-
-    def __str__(self) -> str:
-        head = f"soundness search for the model {self.name}: {'no counterexample' if self.ok else 'COUNTEREXAMPLE'}"
-        return "\n".join([head] + ["  " + r.describe() for r in self.checks])
 
 
 @dataclass

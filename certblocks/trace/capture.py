@@ -159,6 +159,13 @@ class CapturedGraph:
             out.append((path, typ))
         return out
 
+    def module_calls(self, n: torch.fx.Node) -> List[Tuple[str, str, str]]:
+        """``[(call key, path, type qualname), ...]`` outermost first, as :meth:`module_stack` plus the key of each
+        call (``nn_module_stack`` has one per call: a module called twice has two)."""
+        stack = self.module_stack(n)
+        keys = list((n.meta.get("nn_module_stack") or {}).keys())
+        return [(k, p, t) for k, (p, t) in zip(keys[len(keys) - len(stack):], stack)]
+
     def module_path(self, n: torch.fx.Node) -> str:
         st = self.module_stack(n)
         return st[-1][0] if st else ""

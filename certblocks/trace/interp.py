@@ -137,9 +137,7 @@ class VelocityInterpreter:
         self.atom_failures: Dict[str, str] = {}
         groups: Dict[Tuple[str, str], Tuple[Any, List[torch.fx.Node]]] = {}
         for n in self.order:
-            stack = self.g.module_stack(n)
-            calls = list(n.meta.get("nn_module_stack") or {})[-len(stack):] if stack else []
-            for (path, type_name), call in zip(stack, calls):
+            for call, path, type_name in self.g.module_calls(n):
                 atom = _atoms.lookup_module_atom(type_name)
                 if atom is not None:
                     groups.setdefault((path, call), (atom, []))[1].append(n)

@@ -85,13 +85,6 @@ def is_certified(module: Any) -> bool:
     return callable(getattr(module, "certificate", None)) and hasattr(module, "exponents")
 
 
-def _call_stack(g: CapturedGraph, n: torch.fx.Node) -> List[Tuple[str, str]]:
-    """``[(call key, module path), ...]`` outermost first: one key per call (a module called twice has two)."""
-    paths = g.module_stack(n)
-    keys = list((n.meta.get("nn_module_stack") or {}).keys())
-    return list(zip(keys[len(keys) - len(paths):], (p for p, _ in paths)))
-
-
 def _draws_random(n: torch.fx.Node) -> bool:
     """Whether a node is random at run time: an active dropout (train and ``p > 0``) or a random op."""
     if n.op != "call_function":
@@ -134,7 +127,7 @@ def certified_calls(g: CapturedGraph, x: torch.fx.Node, sub: Set[str]) -> List[C
     for n in g.nodes:
         # the captured module itself is a call too: every op of the graph
         root = [(_ROOT, "")] if n.op == "call_function" else []
-        for key, path in root + _call_stack(g, n):
+        for key, path in root + [(k, p) for k, p, _ in g.module_calls(n)]:
             members.setdefault(key, []).append(n)
             paths[key] = path
             if n.name in sub and key not in candidates:

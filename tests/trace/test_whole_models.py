@@ -95,9 +95,9 @@ class ProjectionShortcut(nn.Module):
         return x + self.u2(x)
 
 
-# model -> (the failing segment's kind in fp16, its name)
-TOYS: Dict[type, Tuple[str, str]] = {MapBetween: ("map", "scale"), StemScale: ("map", "stem"),
-                                     HeadScale: ("head", "head"), ProjectionShortcut: ("block", "P+u1")}
+# model -> (the failing segment's kind in fp16, its name, its index in the chain)
+TOYS: Dict[type, Tuple[str, str, int]] = {MapBetween: ("map", "scale", 1), StemScale: ("map", "stem", 0),
+                                          HeadScale: ("head", "head", 2), ProjectionShortcut: ("block", "P+u1", 0)}
 
 Built = Tuple[nn.Module, torch.Tensor, ModelCertificate, float]
 
@@ -123,7 +123,8 @@ def test_toy_refused_in_fp16_at_its_segment_certified_and_sound_in_fp32(toys, cl
     m, x, rep, r0 = toys[cls]
     st16 = rep.stack("fp16", r0=r0)
     assert st16.ok is False and st16.first_failure is not None, st16.explain()
-    assert (st16.first_failure.segment, st16.first_failure.name) == TOYS[cls], st16.first_failure
+    f = st16.first_failure
+    assert (f.segment, f.name, f.index) == TOYS[cls], f
     assert rep.stack("fp32", r0=r0).ok, rep.stack("fp32", r0=r0).explain()
     st = rep.stack("fp32", r0=r0, loss="mse")  # sound whether or not fp32 holds its gradient
     report = cbt.assert_model_sound(m, st, x, model_certificate=rep, loss="mse", **SEARCH)
@@ -131,6 +132,18 @@ def test_toy_refused_in_fp16_at_its_segment_certified_and_sound_in_fp32(toys, cl
     # the search gets close where the bound is attained: the gain maps x to exactly 1e5 x
     if cls is StemScale:
         assert report["state"].ratio > 0.99, report
+
+
+def test_toy_segments_kinds_and_names(toys):
+    rep = toys[MapBetween][2]
+    assert [(s.name, s.certificate.kind) for s in rep.segments] == [("u1", "update"), ("scale", "map"),
+                                                                   ("u2", "update")]
+    assert rep.stem is None and rep.head is None and len(rep) == 2
+    rep = toys[StemScale][2]
+    assert rep.stem.name == "stem" and [u.name for u in rep.updates] == ["u1", "u2"]
+    rep = toys[HeadScale][2]
+    assert rep.head.name == "head" and rep.head.certificate.l0 >= 1e6
+    assert "update" in rep.explain() and "head" in rep.explain()
 
 
 # ------------------------------------------------------------------------------------------------ real backbones
