@@ -42,6 +42,7 @@ _LAZY: Dict[str, str] = {
     "QKNormAttention": "certblocks.blocks",
     "MLP": "certblocks.blocks",
     "GatedMLP": "certblocks.blocks",
+    "LayerScale": "certblocks.blocks",
     "PatchTSTBlock": "certblocks.blocks",
     "LinearGrowthMamba": "certblocks.blocks",
     "Mamba": "certblocks.blocks",
@@ -54,7 +55,7 @@ _SUBMODULES = ("budget", "certificate", "exponents", "conversion", "enforcement"
                "monitor")
 
 if TYPE_CHECKING:  # what static checkers and IDEs see; nothing is imported at run time
-    from .blocks import MLP, Attention, GatedMLP, LinearGrowthMamba, Mamba, PatchTSTBlock, QKNormAttention
+    from .blocks import MLP, Attention, GatedMLP, LayerScale, LinearGrowthMamba, Mamba, PatchTSTBlock, QKNormAttention
     from .budget import float_max, jacobian_budget
     from .certificate import BlockCertificate, Depths, Failure, Peak, StackCertificate, certify_stack
     from .conversion import ConversionReport, convert
@@ -84,6 +85,7 @@ def __dir__() -> List[str]:
 __all__ = [
     "Attention",
     "GatedMLP",
+    "LayerScale",
     "LinearGrowthMamba",
     "MLP",
     "Mamba",

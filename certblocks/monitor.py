@@ -83,6 +83,7 @@ import torch
 from torch import nn
 
 from ._validation import NonFiniteWeightError, check_int
+from .blocks.gain import ScaledBranch
 from .bounds import one_thread
 from .budget import dtype_name, float_max
 from .certificate import BlockCertificate, StackCertificate, certify_stack
@@ -337,16 +338,31 @@ class CertificateMonitor:
         self._stacklevel = 5  # warnings point at the caller of check() / step()
         self._kappa0: Dict[int, float] = {}
         self._gen = torch.Generator().manual_seed(0)
+        self._inputs: Dict[int, torch.Tensor] = {}
         if batch_figures:
             for k, m in enumerate(self.updates.modules):
-                self._handles.append(m.register_forward_hook(self._make_hook(k), with_kwargs=True))
+                if isinstance(m, ScaledBranch):  # a view outside the model's forward: its branch sees X_k, its gain
+                    self._handles.append(m.branch.register_forward_hook(self._make_input_hook(k), with_kwargs=True))
+                    self._handles.append(m.gain.register_forward_hook(self._make_hook(k, m.branch), with_kwargs=True))
+                else:
+                    self._handles.append(m.register_forward_hook(self._make_hook(k), with_kwargs=True))
 
     # -- hooks ----------------------------------------------------------------------------------------------
-    def _make_hook(self, k: int) -> Callable:
+    def _make_input_hook(self, k: int) -> Callable:
+        """Keep the input ``X_k`` of a gained update's branch for the gain's hook (which sees ``v(X_k)``)."""
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if self._armed and k not in self._captures:
+                x = _first_tensor(args, kwargs)
+                if x is not None:
+                    self._inputs[k] = x
+        return hook
+
+    def _make_hook(self, k: int, branch: Optional[nn.Module] = None) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if not self._armed or k in self._captures:
                 return
-            x = _first_tensor(args, kwargs)
+            x = _first_tensor(args, kwargs) if branch is None else self._inputs.pop(k, None)
+            module = module if branch is None else branch
             y = output[0] if isinstance(output, (tuple, list)) else output
             if x is None or not isinstance(y, torch.Tensor) or x.shape[0] != y.shape[0]:
                 return
@@ -490,6 +506,9 @@ class CertificateMonitor:
                 out["cosine"] = None
         else:
             out.update({"saturation": None, "state_norm": None, "velocity_norm": None, "cosine": None})
+        if isinstance(m, ScaledBranch):  # a gained update: the branch's figures, and the gain max |gamma|
+            out["gain"] = m.gain.bound()
+            m = m.branch
         if _attention_like(m):
             out["kappa"] = self._kappa(k, m)
             out["max_logit"] = cap.get("max_logit") if cap is not None else None

@@ -17,8 +17,9 @@ Pretrained GPT-2 weights: :meth:`GPT2QKNorm.load_gpt2_state_dict` takes a nanoGP
 ``GPT2LMHeadModel`` state_dict (HF's ``Conv1D`` weights are transposed), drops the residual
 LayerNorms ``ln_1``/``ln_2`` and reports them, and initializes the QK-norm scales
 ``q_norm.weight``/``k_norm.weight`` to ``qk_scale_init`` (default **1.0**: each normalized
-query and key has RMS 1, so a head's logits are at most ``sqrt(head_dim)`` in absolute value).
-HF GPT-2 uses the tanh GELU: build with ``act="gelu_tanh"`` to reproduce its MLP exactly.
+query and key has RMS 1, so a head's logits are at most ``sqrt(head_dim)`` in absolute value) and
+the branch gains ``ls1.gamma``/``ls2.gamma`` to ``gain_init`` (default 1.0: the checkpoint's branches
+were trained without a gain).  HF GPT-2 uses the tanh GELU: build with ``act="gelu_tanh"`` to reproduce its MLP exactly.
 
 Certificate defaults: ``r0 = max_i ||wte_i|| + max_j ||wpe_j||`` (every token of the embedded
 input has at most that norm, dropout inactive), ``seq_len = block_size``, ``cert_dtype = "bf16"``.
@@ -33,8 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from certblocks._validation import check_bool, check_int, check_prob
+from certblocks._validation import check_bool, check_int, check_prob, check_real
 from certblocks.blocks.attention import QKNormAttention
+from certblocks.blocks.gain import LayerScale, ScaledBranch, check_init_values
 from certblocks.blocks.mlp import MLP
 from certblocks.bounds import row_norm_max
 from certblocks.certificate import BlockCertificate, cross_entropy_gradient
@@ -44,23 +46,36 @@ from ._registry import register_model
 
 __all__ = ["GPT2QKNorm", "GPT2LoadReport"]
 
-_QK_EPS = 1e-6
+#: The QK-norm's ``eps``.
+QK_NORM_EPS = 1e-6
+#: The branch gains' initial value: certifies every zoo size (GPT-2 124M included) in bf16 at initialization.
+INIT_VALUES = 0.1
 
 
 class GPT2QKNormBlock(nn.Module):
-    """One GPT-2 block without LayerNorm: ``x + attn(x)`` then ``+ mlp(x)``."""
+    """One GPT-2 block without LayerNorm: ``x + ls1(attn(x))`` then ``+ ls2(mlp(x))`` (gains: ``init_values``)."""
 
     def __init__(self, n_embd: int, n_head: int, *, bias: bool, dropout: float, act: str, qk_norm: str,
-                 qk_norm_eps: float, device=None, dtype=None) -> None:
+                 qk_norm_eps: float, init_values: Optional[float], device=None, dtype=None) -> None:
         super().__init__()
         dd = {"device": device, "dtype": dtype}
         self.attn = QKNormAttention(n_embd, n_head, causal=True, bias=bias, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,
                                     attn_dropout=dropout, resid_dropout=dropout, **dd)
+        self.ls1 = LayerScale(n_embd, init_values, **dd) if init_values else nn.Identity()
         self.mlp = MLP(n_embd, 4 * n_embd, act, bias=bias, dropout=dropout, **dd)
+        self.ls2 = LayerScale(n_embd, init_values, **dd) if init_values else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C)
-        x = x + self.attn(x)
-        return x + self.mlp(x)
+        x = x + self.ls1(self.attn(x))
+        return x + self.ls2(self.mlp(x))
+
+    def velocities(self, prefix: str) -> List[Tuple[str, nn.Module]]:
+        """``(path, velocity)`` of the two updates; a branch with a gain is a :class:`ScaledBranch`."""
+        out: List[Tuple[str, nn.Module]] = []
+        for branch, ls in (("attn", "ls1"), ("mlp", "ls2")):
+            m, gain = getattr(self, branch), getattr(self, ls)
+            out.append((f"{prefix}{branch}", ScaledBranch(m, gain, (branch, ls)) if isinstance(gain, LayerScale) else m))
+        return out
 
 
 @dataclass
@@ -72,7 +87,7 @@ class GPT2LoadReport:
         loaded: the model's keys filled from the checkpoint.
         dropped: checkpoint keys not used (the residual LayerNorms ``ln_1``/``ln_2``, attention masks).
         initialized: the model's keys not in the checkpoint and set to their documented value
-            (the QK-norm scales, ``qk_scale_init``).
+            (the QK-norm scales, ``qk_scale_init``; the branch gains, ``gain_init``).
     """
 
     source: str
@@ -83,7 +98,7 @@ class GPT2LoadReport:
     def __str__(self) -> str:
         return (f"GPT-2 {self.source} checkpoint: {len(self.loaded)} tensors loaded, {len(self.dropped)} dropped "
                 f"({', '.join(sorted({k.split('.')[-2] for k in self.dropped if '.' in k})) or '-'}), "
-                f"{len(self.initialized)} initialized (QK-norm scales)")
+                f"{len(self.initialized)} initialized (QK-norm scales, branch gains)")
 
 
 class GPT2QKNorm(ZooModel):
@@ -100,6 +115,9 @@ class GPT2QKNorm(ZooModel):
         act: MLP activation, ``"gelu"`` (nanoGPT) or ``"gelu_tanh"`` (HF GPT-2).
         qk_norm: ``"rms"`` (default), ``"l2"`` or ``"layer"``.
         qk_norm_eps: the QK-norm's ``eps``.
+        init_values: the initial value of the branch gains ``ls1.gamma`` / ``ls2.gamma`` (learnable, per channel;
+            ``None``: no gains, the update is ``x + v(x)``).  The default certifies every size of the zoo in bf16 at
+            initialization (README, "Certified by default").
         certify: refuse (``CertificationError``) a configuration not certified in ``cert_dtype``.
         cert_dtype: the certification dtype (default ``"bf16"``).
         device, dtype: as for torch layers.
@@ -107,7 +125,8 @@ class GPT2QKNorm(ZooModel):
 
     def __init__(self, n_layer: int = 12, n_head: int = 12, n_embd: int = 768, block_size: int = 1024,
                  vocab_size: int = 50304, bias: bool = True, dropout: float = 0.0, *, act: str = "gelu",
-                 qk_norm: str = "rms", qk_norm_eps: float = _QK_EPS, certify: bool = True,
+                 qk_norm: str = "rms", qk_norm_eps: float = QK_NORM_EPS, init_values: Optional[float] = INIT_VALUES,
+                 certify: bool = True,
                  cert_dtype: Any = None, device=None, dtype=None) -> None:
         super().__init__()
         self.n_layer = check_int("n_layer", n_layer)
@@ -117,6 +136,8 @@ class GPT2QKNorm(ZooModel):
         self.vocab_size = check_int("vocab_size", vocab_size)
         check_bool("bias", bias)
         dropout = check_prob("dropout", dropout)
+        check_real("qk_norm_eps", qk_norm_eps, positive=True)
+        self.init_values = check_init_values(init_values) if init_values else None  # None or 0: no gains
         if n_embd % n_head:
             raise ValueError(f"n_head={n_head} must divide n_embd={n_embd}")
         dd = {"device": device, "dtype": dtype}
@@ -125,7 +146,8 @@ class GPT2QKNorm(ZooModel):
             wpe=nn.Embedding(block_size, n_embd, **dd),
             drop=nn.Dropout(dropout),
             h=nn.ModuleList([GPT2QKNormBlock(n_embd, n_head, bias=bias, dropout=dropout, act=act, qk_norm=qk_norm,
-                                             qk_norm_eps=qk_norm_eps, **dd) for _ in range(n_layer)]),
+                                             qk_norm_eps=qk_norm_eps, init_values=init_values, **dd)
+                              for _ in range(n_layer)]),
             ln_f=nn.LayerNorm(n_embd, bias=bias, **dd),
         ))
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False, **dd)
@@ -138,7 +160,7 @@ class GPT2QKNorm(ZooModel):
         std_proj = 0.02 / (2 * self.n_layer) ** 0.5
         with torch.no_grad():
             for name, p in self.named_parameters():
-                if name.endswith(("q_norm.weight", "k_norm.weight")) or ".ln_f." in f".{name}":
+                if name.endswith(("q_norm.weight", "k_norm.weight", ".gamma")) or ".ln_f." in f".{name}":
                     continue
                 if name.endswith("bias"):
                     p.zero_()
@@ -151,7 +173,7 @@ class GPT2QKNorm(ZooModel):
     def residual_updates(self) -> List[Tuple[str, nn.Module]]:
         out: List[Tuple[str, nn.Module]] = []
         for i, blk in enumerate(self.transformer.h):
-            out += [(f"transformer.h.{i}.attn", blk.attn), (f"transformer.h.{i}.mlp", blk.mlp)]
+            out += blk.velocities(f"transformer.h.{i}.")
         return out
 
     loss_gradient = cross_entropy_gradient  # trained with cross-entropy (mean reduction)
@@ -193,13 +215,13 @@ class GPT2QKNorm(ZooModel):
         return logits, loss
 
     # -- pretrained checkpoints ----------------------------------------------------------------------------
-    def load_gpt2_state_dict(self, state_dict: Mapping[str, torch.Tensor], *, qk_scale_init: float = 1.0
-                             ) -> GPT2LoadReport:
+    def load_gpt2_state_dict(self, state_dict: Mapping[str, torch.Tensor], *, qk_scale_init: float = 1.0,
+                             gain_init: float = 1.0) -> GPT2LoadReport:
         """Load a nanoGPT ``GPT`` or HF ``GPT2LMHeadModel`` / ``GPT2Model`` state_dict.
 
         The residual LayerNorms (``ln_1``, ``ln_2``) have no place in this model: their weights are
         dropped and listed in the report; the QK-norm scales, absent from GPT-2 checkpoints, are set to
-        ``qk_scale_init`` (default 1.0).  HF ``Conv1D`` weights (``(in, out)``) are transposed.  The
+        ``qk_scale_init`` (default 1.0) and the branch gains to ``gain_init`` (default 1.0).  HF ``Conv1D`` weights (``(in, out)``) are transposed.  The
         vocabulary and block size of the checkpoint must match the model's (build it with the
         checkpoint's ``vocab_size``, e.g. 50257 for HF GPT-2).
 
@@ -243,6 +265,9 @@ class GPT2QKNorm(ZooModel):
         for k, v in own.items():
             if k not in new and k.endswith(("q_norm.weight", "k_norm.weight")):
                 new[k] = torch.full_like(v, float(qk_scale_init))
+                report.initialized.append(k)
+            elif k not in new and k.endswith((".ls1.gamma", ".ls2.gamma")):
+                new[k] = torch.full_like(v, float(gain_init))
                 report.initialized.append(k)
             elif k not in new and k.endswith(("q_norm.bias", "k_norm.bias")):
                 new[k] = torch.zeros_like(v)

@@ -10,7 +10,10 @@ works with timm's conventions (``pretrained_cfg``, ``num_classes``, ``forward_fe
 ``forward_head``, ``reset_classifier``).  They are ViT-Ti/S/B (patch 16, 224 px) whose blocks are
 :class:`CertifiedViTBlock`: no LayerNorm in the residual updates, QK-normalized bidirectional
 attention (timm names ``qkv``, ``q_norm``, ``k_norm``, ``proj``; (1, 1)) and MLP(GELU) (``fc1``,
-``fc2``; (1, 0)).  The final ``norm`` before the head is kept (it is part of the head).  No weights
+``fc2``; (1, 0)), each branch with a learnable gain (timm's LayerScale ``ls1`` / ``ls2``, ``init_values``
+default ``1e-3``: what certifies every size in bf16 at initialization, see the README).  timm arguments
+that would change the certified structure (``norm_layer``, ``mlp_layer``, ``qk_norm=False``, ...) are
+refused with an error naming them.  The final ``norm`` before the head is kept (it is part of the head).  No weights
 are downloaded: the pretrained config has no URL (``pretrained=True`` raises in timm).
 
 Certificate defaults: ``r0`` bounds every token after the patch embedding and positions for
@@ -21,6 +24,7 @@ pixels in ``[0, 1]`` normalized with the config's mean and std; ``seq_len`` = 19
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -28,7 +32,9 @@ from timm.layers import DropPath
 from timm.models import VisionTransformer, build_model_with_cfg, generate_default_cfgs, register_model
 from torch import nn
 
+from certblocks._validation import check_real
 from certblocks.blocks.attention import QKNormAttention
+from certblocks.blocks.gain import LayerScale, ScaledBranch, check_init_values
 from certblocks.blocks.mlp import MLP, activation_name
 from certblocks.bounds import op_norm, row_norm_max, vec_norm
 from certblocks.certificate import BlockCertificate, cross_entropy_gradient
@@ -39,23 +45,80 @@ from ._registry import register_model as zoo_register
 __all__ = ["CertifiedViTBlock", "CertifiedVisionTransformer"]
 
 
-class CertifiedViTBlock(nn.Module):
-    """A ViT block without LayerNorm in its updates: ``x + attn(x)`` then ``x + mlp(x)``.
+#: The branch gains' initial value (timm's ``init_values``): certifies ViT-Ti, ViT-S and ViT-B in bf16 at
+#: initialization with room (README, "Certified by default").
+INIT_VALUES = 1e-3
+#: The QK-norm's ``eps`` (timm's RMSNorm default).
+QK_NORM_EPS = 1e-6
 
-    Accepts timm ``Block``'s constructor arguments (``norm_layer``, ``mlp_layer``, ``attn_layer``,
-    ``qk_norm``, ``init_values`` and the scale-norm flags are ignored: there is no norm in the
-    updates and the attention always normalizes queries and keys).
+# timm VisionTransformer arguments a certified ViT takes as timm does (its constructor receives them unchanged)
+_TIMM_ACCEPTED = frozenset({
+    "img_size", "patch_size", "in_chans", "num_classes", "global_pool", "embed_dim", "depth", "num_heads",
+    "mlp_ratio", "qkv_bias", "proj_bias", "class_token", "pos_embed", "no_embed_class", "reg_tokens", "fc_norm",
+    "pool_include_prefix", "dynamic_img_pad", "drop_rate", "pos_drop_rate", "patch_drop_rate", "proj_drop_rate",
+    "attn_drop_rate", "drop_path_rate", "weight_init", "fix_init", "act_layer", "device", "dtype",
+    "pretrained_cfg", "pretrained_cfg_overlay", "pretrained_strict", "feature_cfg", "features_only",
+})
+# arguments accepted only at the value that leaves the certified structure as it is: (allowed values, why)
+_TIMM_FIXED = {
+    "qk_norm": ((True,), "the attention always normalizes queries and keys"),
+    "scale_attn_norm": ((False,), "there is no norm in the updates"),
+    "scale_mlp_norm": ((False,), "there is no norm in the updates"),
+    "pre_norm": ((False,), "a norm after the embedding is not in the input radius r0"),
+    "final_norm": ((True,), "the head's norm bounds the logits and Lip(G)"),
+    "dynamic_img_size": ((False,), "r0 is computed from the fixed position table"),
+    "norm_layer": ((None,), "there is no norm in the updates; the head's norm is LayerNorm"),
+    "embed_norm_layer": ((None,), "a norm in the embedding is not in the input radius r0"),
+}
+_GLOBAL_POOLS = ("", "token", "avg")
+
+
+def _check_timm_kwargs(kwargs: dict) -> None:
+    """Refuse (``TypeError`` / ``ValueError`` naming it) a timm argument a certified ViT would otherwise drop."""
+    for key, value in kwargs.items():
+        if key in _TIMM_ACCEPTED:
+            continue
+        if key in _TIMM_FIXED:
+            allowed, why = _TIMM_FIXED[key]
+            if any(value is a or (a is not None and value == a) for a in allowed):
+                continue
+            raise ValueError(f"{key}={value!r} is not supported by a certified ViT ({why}); allowed: "
+                             f"{', '.join(repr(a) for a in allowed)}")
+        if key in ("mlp_layer", "attn_layer", "block_fn", "embed_layer"):
+            raise TypeError(f"{key} is not supported by a certified ViT: its blocks are CertifiedViTBlock "
+                            "(QKNormAttention + MLP); convert a timm ViT with certblocks.convert instead")
+        raise TypeError(f"unexpected keyword argument {key!r} for a certified ViT; it takes timm's "
+                        f"VisionTransformer arguments {sorted(_TIMM_ACCEPTED)}, init_values, qk_norm_eps, "
+                        "certify and cert_dtype")
+    pool = kwargs.get("global_pool", "token")
+    if pool not in _GLOBAL_POOLS:
+        raise ValueError(f"global_pool={pool!r} is not supported by a certified ViT (its head bound needs a pooling "
+                         f"of norm 1 per token); allowed: {_GLOBAL_POOLS}")
+
+
+class CertifiedViTBlock(nn.Module):
+    """A ViT block without LayerNorm in its updates: ``x + ls1(attn(x))`` then ``x + ls2(mlp(x))``.
+
+    Takes timm ``Block``'s constructor arguments.  ``init_values`` gives each branch a learnable gain
+    (:class:`~certblocks.LayerScale`, timm's ``ls1`` / ``ls2``; ``None``: no gains); ``qk_norm_eps`` is the
+    QK-norm's ``eps``.  The norm, MLP and attention layers are fixed (there is no norm in the updates and the
+    attention always normalizes queries and keys): :class:`CertifiedVisionTransformer` refuses arguments that
+    would change them, and timm's own defaults for them are ignored here.
     """
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = False,
                  proj_bias: bool = True, proj_drop: float = 0.0, attn_drop: float = 0.0, drop_path: float = 0.0,
-                 act_layer: Any = nn.GELU, device=None, dtype=None, **_ignored: Any) -> None:
+                 act_layer: Any = nn.GELU, init_values: Optional[float] = None, qk_norm_eps: float = QK_NORM_EPS,
+                 device=None, dtype=None, **_timm_defaults: Any) -> None:
         super().__init__()
         dd = {"device": device, "dtype": dtype}
         self.attn = QKNormAttention(dim, num_heads, causal=False, qkv_bias=bool(qkv_bias), proj_bias=bool(proj_bias),
-                                    attn_dropout=attn_drop, resid_dropout=proj_drop, naming="timm", **dd)
+                                    qk_norm_eps=qk_norm_eps, attn_dropout=attn_drop, resid_dropout=proj_drop,
+                                    naming="timm", **dd)
+        self.ls1 = LayerScale(dim, init_values, **dd) if init_values else nn.Identity()
         act = activation_name(act_layer() if isinstance(act_layer, type) else act_layer)
         self.mlp = MLP(dim, int(dim * mlp_ratio), act, bias=bool(proj_bias), dropout=proj_drop, **dd)
+        self.ls2 = LayerScale(dim, init_values, **dd) if init_values else nn.Identity()
         self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
 
@@ -63,8 +126,16 @@ class CertifiedViTBlock(nn.Module):
                 ) -> torch.Tensor:
         if is_causal:
             raise ValueError("CertifiedViTBlock is bidirectional; is_causal=True is not supported")
-        x = x + self.drop_path1(self.attn(x, attn_mask=attn_mask) if attn_mask is not None else self.attn(x))
-        return x + self.drop_path2(self.mlp(x))
+        x = x + self.drop_path1(self.ls1(self.attn(x, attn_mask=attn_mask) if attn_mask is not None else self.attn(x)))
+        return x + self.drop_path2(self.ls2(self.mlp(x)))
+
+    def velocities(self, prefix: str) -> List[Tuple[str, nn.Module]]:
+        """``(path, velocity)`` of the block's two updates; a branch with a gain is a :class:`ScaledBranch`."""
+        out: List[Tuple[str, nn.Module]] = []
+        for branch, ls in (("attn", "ls1"), ("mlp", "ls2")):
+            m, gain = getattr(self, branch), getattr(self, ls)
+            out.append((f"{prefix}{branch}", ScaledBranch(m, gain, (branch, ls)) if isinstance(gain, LayerScale) else m))
+        return out
 
 
 class CertifiedVisionTransformer(VisionTransformer, ZooModel):
@@ -76,15 +147,25 @@ class CertifiedVisionTransformer(VisionTransformer, ZooModel):
         *args, **kwargs: timm ``VisionTransformer``'s.
     """
 
-    def __init__(self, *args: Any, certify: bool = True, cert_dtype: Any = None, **kwargs: Any) -> None:
-        kwargs["block_fn"] = CertifiedViTBlock
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args: Any, init_values: Optional[float] = INIT_VALUES, qk_norm_eps: float = QK_NORM_EPS,
+                 certify: bool = True, cert_dtype: Any = None, **kwargs: Any) -> None:
+        if args:
+            raise TypeError("CertifiedVisionTransformer takes keyword arguments only (timm's names)")
+        _check_timm_kwargs(kwargs)
+        if init_values:  # None or 0: no gains (timm's convention; timm.create_model drops None arguments)
+            check_init_values(init_values)
+        check_real("qk_norm_eps", qk_norm_eps, positive=True)
+        kwargs.pop("qk_norm", None)
+        kwargs["block_fn"] = partial(CertifiedViTBlock, qk_norm_eps=float(qk_norm_eps))
+        super().__init__(init_values=init_values, **kwargs)
+        self.init_values = init_values
+        self.qk_norm_eps = float(qk_norm_eps)
         self._certify_or_refuse(certify, cert_dtype)
 
     def residual_updates(self) -> List[Tuple[str, nn.Module]]:
         out: List[Tuple[str, nn.Module]] = []
         for i, blk in enumerate(self.blocks):
-            out += [(f"blocks.{i}.attn", blk.attn), (f"blocks.{i}.mlp", blk.mlp)]
+            out += blk.velocities(f"blocks.{i}.")
         return out
 
     loss_gradient = cross_entropy_gradient  # a classifier trained with cross-entropy (mean reduction)

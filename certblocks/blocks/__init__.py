@@ -8,6 +8,7 @@ replace a module have a ``from_module`` classmethod that builds them from it and
 """
 
 from .attention import Attention, QKNorm, QKNormAttention
+from .gain import LayerScale, ScaledBranch
 from .mamba import LinearGrowthMamba, Mamba
 from .mlp import MLP, GatedMLP
 from .normed import NormedUpdate
@@ -16,6 +17,7 @@ from .patchtst import PatchTSTBlock, PatchTSTUpdate, TokenBatchNorm
 __all__ = [
     "Attention",
     "GatedMLP",
+    "LayerScale",
     "LinearGrowthMamba",
     "MLP",
     "Mamba",
@@ -24,5 +26,6 @@ __all__ = [
     "PatchTSTUpdate",
     "QKNorm",
     "QKNormAttention",
+    "ScaledBranch",
     "TokenBatchNorm",
 ]

@@ -58,8 +58,25 @@ def _producer(n: torch.fx.Node) -> torch.fx.Node:
 
 
 def velocity_name(g: CapturedGraph, f: torch.fx.Node, add: Optional[torch.fx.Node] = None) -> str:
-    """The branch module: the child of the add node's module on the way to the velocity's producer."""
-    st = [p for p, _ in g.module_stack(_producer(f))]
+    """The branch module: the child of the add node's module on the way to the velocity's producer.
+
+    A branch gain (a ``LayerScale``: ``gamma * v``, certblocks' or timm's) is not the branch: the update is named
+    after the module whose output it scales (``blocks.0.attn``, not ``blocks.0.ls1``), as the blocks name it.
+    """
+    node = _producer(f)
+    name = _branch_path(g, node, add)
+    while _is_gain(g, node, name):
+        inner = [a for a in node.all_input_nodes if a.op != "get_attr" and isinstance(g.env.get(a.name), torch.Tensor)
+                 and g.env[a.name].ndim > 1]
+        if len(inner) != 1:
+            break
+        node = _producer(inner[0])
+        name = _branch_path(g, node, add)
+    return name
+
+
+def _branch_path(g: CapturedGraph, node: torch.fx.Node, add: Optional[torch.fx.Node]) -> str:
+    st = [p for p, _ in g.module_stack(node)]
     if add is not None:
         base = [p for p, _ in g.module_stack(add)]
         if st[: len(base)] == base and len(st) > len(base):
@@ -67,6 +84,11 @@ def velocity_name(g: CapturedGraph, f: torch.fx.Node, add: Optional[torch.fx.Nod
         if base:
             return base[-1]
     return st[0] if st else ""
+
+
+def _is_gain(g: CapturedGraph, node: torch.fx.Node, path: str) -> bool:
+    """``node`` is computed inside a ``LayerScale`` module at ``path``."""
+    return any(p == path and t.rsplit(".", 1)[-1] == "LayerScale" for p, t in g.module_stack(node))
 
 
 def module_velocities(g: CapturedGraph, patterns: Sequence[str]) -> List[Tuple[str, torch.fx.Node, torch.fx.Node]]:

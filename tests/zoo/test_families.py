@@ -25,8 +25,14 @@ def test_load_hf_gpt2_state_dict():
     assert rep.source == "hf"
     assert {k.split(".")[-2] for k in rep.dropped if "ln_" in k} == {"ln_1", "ln_2"}
     assert len([k for k in rep.dropped if ".ln_1." in k or ".ln_2." in k]) == 2 * 2 * 2  # weight+bias, 2 layers
-    assert len(rep.initialized) == 2 * 2  # q_norm, k_norm per layer
+    assert len(rep.initialized) == 2 * 4  # q_norm, k_norm, ls1, ls2 per layer
     assert torch.equal(m.transformer.h[0].attn.q_norm.weight, torch.full((16,), 0.5))
+    assert torch.equal(m.transformer.h[1].ls2.gamma, torch.ones(32))  # the checkpoint's branches had no gain
+    # with unit gains the model computes the HF model's function minus its residual LayerNorms: a gain-free twin agrees
+    twin = create_model("gpt2_qknorm_test", act="gelu_tanh", init_values=None)
+    twin.load_gpt2_state_dict(sd, qk_scale_init=0.5)
+    ids = torch.randint(0, 64, (1, 16))
+    torch.testing.assert_close(m(ids)[0], twin(ids)[0])
     torch.testing.assert_close(m.transformer.h[1].attn.c_attn.weight, sd["transformer.h.1.attn.c_attn.weight"].T)
     torch.testing.assert_close(m.transformer.h[0].mlp.fc2.weight, sd["transformer.h.0.mlp.c_proj.weight"].T)
     assert m.lm_head.weight is m.transformer.wte.weight
@@ -88,17 +94,21 @@ def test_timm_registration():
         timm.create_model("certblocks_vit_tiny_patch16_224", pretrained=True)
 
 
-def test_timm_full_size_is_refused_in_bf16():
-    """ViT-Ti/16 (24 updates) at timm's initialization is past the bf16 budget: refused unless certify=False."""
+def test_timm_full_size_certified_by_default_and_refused_without_gains():
+    """ViT-Ti/16 (24 updates) at its defaults (branch gains 1e-3) is certified in bf16; without gains it is past
+    the bf16 budget and refused unless certify=False."""
     timm = pytest.importorskip("timm")
     import certblocks.zoo
 
     import certblocks
 
+    m = timm.create_model("certblocks_vit_tiny_patch16_224")
+    cert = m.certificate("bf16")
+    assert cert.ok and cert.depth == 24 and cert.head is not None
     with pytest.raises(certblocks.CertificationError, match="certify=False"):
-        timm.create_model("certblocks_vit_tiny_patch16_224")
-    m = timm.create_model("certblocks_vit_tiny_patch16_224", certify=False)
-    assert m.certificate("bf16").depth == 24
+        timm.create_model("certblocks_vit_tiny_patch16_224", init_values=0)
+    m = timm.create_model("certblocks_vit_tiny_patch16_224", init_values=0, certify=False)
+    assert m.certificate("bf16").depth == 24 and not m.certificate("bf16").ok
 
 
 # one small model per family; inductor (C++ codegen, ~12 s each on 2 cores) for two of them, the graph

@@ -1,0 +1,142 @@
+"""Branch gains: :class:`LayerScale` (a learnable per-channel ``gamma``) and :class:`ScaledBranch` (its certificate).
+
+A residual update ``X + gamma * v(X)`` with a per-channel gain ``gamma`` (CaiT's and timm's ``LayerScale``,
+``init_values``) is the paper's residual step ``dt`` made learnable and per channel.  In the per-token norm
+``||gamma * y|| <= ||gamma||_inf ||y||``, so with ``g = max_i |gamma_i|`` the update's certificate is the
+branch's with every coefficient times ``g``::
+
+    c -> g c,  b -> g b,  l1 -> g l1,  l0 -> g l0    (exponents unchanged)
+
+and the peak (every entry the branch computes, then ``gamma * v``) is the branch's, times ``g`` when
+``g > 1``.  A small ``init_values`` thus buys depth exactly as a small ``dt`` does: the backward bound of
+each update is ``log(1 + g (l0 + l1 R))``, which shrinks with ``g`` (README, "Certified by default").
+
+:class:`ScaledBranch` is the velocity ``gain(branch(x))`` of an update whose branch and gain are two
+children of one block (timm's ``blk.attn`` and ``blk.ls1``): a view built by a model's
+``residual_updates()``, not registered in the model, so it adds nothing to the model's ``state_dict``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, List, Mapping, Optional
+
+import torch
+from torch import nn
+
+from .. import bounds
+from .._validation import check_cert_args
+from ..certificate import BlockCertificate, Peak
+from ..exponents import Exponents
+from ..protocol import CapSlot, EnforceableBlock
+
+__all__ = ["LayerScale", "ScaledBranch", "scaled_certificate"]
+
+
+class LayerScale(nn.Module):
+    """A learnable per-channel gain ``x -> gamma * x`` over the last dimension (timm's ``LayerScale``).
+
+    Args:
+        dim: number of channels.
+        init_values: the initial value of every entry of ``gamma`` (finite, > 0).
+        device, dtype: as for torch layers.
+
+    The parameter is named ``gamma``, as in timm, so that a timm ViT's ``ls1.gamma`` / ``ls2.gamma`` load.
+    """
+
+    def __init__(self, dim: int, init_values: float = 1e-5, device=None, dtype=None) -> None:
+        super().__init__()
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"dim must be a positive int, got {dim!r}")
+        self.init_values = check_init_values(init_values)
+        self.gamma = nn.Parameter(torch.full((dim,), self.init_values, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
+
+    def bound(self) -> float:
+        """``max_i |gamma_i|``, the gain in the per-token norm (exact)."""
+        return bounds.vec_inf_norm(self.gamma)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.gamma.shape[0]}, init_values={self.init_values:g}"
+
+
+def check_init_values(value: Any) -> float:
+    """``value`` as a float if it is a finite number > 0, else ``ValueError`` naming ``init_values``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 < float(value) < float("inf")):
+        raise ValueError(f"init_values must be a finite number > 0 (the branch gains' initial value) or None "
+                         f"(no gains), got {value!r}")
+    return float(value)
+
+
+def scaled_certificate(cert: BlockCertificate, gain: float) -> BlockCertificate:
+    """The certificate of ``gamma * v`` for ``v`` certified by ``cert`` and ``max |gamma| <= gain`` (module docstring)."""
+    g = float(gain)
+    if not (g >= 0.0 and g < float("inf")):
+        raise ValueError(f"gain must be finite and >= 0, got {gain!r}")
+
+    def up(x: float) -> float:
+        return bounds.rounded_up(x * g)
+
+    peak = cert.peak
+    if peak is not None and g > 1.0:
+        peak = Peak(peak.q, up(peak.c), up(peak.b), peak.what)
+    return dataclasses.replace(cert, c=up(cert.c), b=up(cert.b), l1=up(cert.l1), l0=up(cert.l0), peak=peak)
+
+
+class ScaledBranch(nn.Module):
+    """The velocity ``gain(branch(x))``: a certified branch followed by its :class:`LayerScale`.
+
+    Args:
+        branch: a certified block (:class:`~certblocks.protocol.CertifiedBlock`).
+        gain: its :class:`LayerScale`.
+        names: the two modules' attribute names in their block (``("attn", "ls1")``): they name the
+            children here, so that a parameter's path reads as in the model.
+    """
+
+    def __init__(self, branch: nn.Module, gain: LayerScale, names: tuple = ("branch", "gain")) -> None:
+        super().__init__()
+        if not isinstance(gain, LayerScale):
+            raise TypeError(f"gain must be a LayerScale, got {type(gain).__name__}")
+        if not callable(getattr(branch, "certificate", None)):
+            raise TypeError(f"branch must be a certified block (with certificate()), got {type(branch).__name__}")
+        self.names = (str(names[0]), str(names[1]))
+        self.add_module(self.names[0], branch)
+        self.add_module(self.names[1], gain)
+
+    @property
+    def branch(self) -> nn.Module:
+        return getattr(self, self.names[0])
+
+    @property
+    def gain(self) -> LayerScale:
+        return getattr(self, self.names[1])
+
+    @property
+    def exponents(self) -> Exponents:
+        """The branch's exponents (a constant gain changes no exponent)."""
+        return self.branch.exponents
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.gain(self.branch(x, *args, **kwargs))
+
+    def certificate(self, *, seq_len: Optional[int] = None, r0: Optional[float] = None) -> BlockCertificate:
+        """The branch's certificate scaled by ``max |gamma|`` (module docstring)."""
+        check_cert_args(seq_len, r0)
+        return scaled_certificate(self.branch.certificate(seq_len=seq_len, r0=r0), self.gain.bound())
+
+    def cap_slots(self) -> List[CapSlot]:
+        """The branch's slots and the gain (``"gain"``, a clamp of ``gamma``)."""
+        branch = self._enforceable()
+        return branch.cap_slots() + [CapSlot(self.gain, "gamma", "clamp", (self.gain.gamma.shape[0],), ("gain",))]
+
+    def certificate_from_caps(self, caps: Mapping[str, float], *, seq_len: Optional[int] = None) -> BlockCertificate:
+        """The branch's worst case at its caps, scaled by the gain's cap."""
+        return scaled_certificate(self._enforceable().certificate_from_caps(caps, seq_len=seq_len), caps["gain"])
+
+    def _enforceable(self) -> EnforceableBlock:
+        branch = self.branch
+        if not isinstance(branch, EnforceableBlock):
+            raise TypeError(f"{type(branch).__name__} has no cap_slots() / certificate_from_caps()")
+        return branch
