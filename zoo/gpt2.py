@@ -36,7 +36,7 @@ from torch import nn
 
 from certblocks._validation import check_bool, check_int, check_prob, check_real
 from certblocks.blocks.attention import QKNormAttention
-from certblocks.blocks.gain import LayerScale, ScaledBranch, check_init_values
+from certblocks.blocks.gain import LayerScale, check_init_values, gained_velocities
 from certblocks.blocks.mlp import MLP
 from certblocks.bounds import row_norm_max
 from certblocks.certificate import BlockCertificate, cross_entropy_gradient
@@ -71,11 +71,7 @@ class GPT2QKNormBlock(nn.Module):
 
     def velocities(self, prefix: str) -> List[Tuple[str, nn.Module]]:
         """``(path, velocity)`` of the two updates; a branch with a gain is a :class:`ScaledBranch`."""
-        out: List[Tuple[str, nn.Module]] = []
-        for branch, ls in (("attn", "ls1"), ("mlp", "ls2")):
-            m, gain = getattr(self, branch), getattr(self, ls)
-            out.append((f"{prefix}{branch}", ScaledBranch(m, gain, (branch, ls)) if isinstance(gain, LayerScale) else m))
-        return out
+        return gained_velocities(self, prefix)
 
 
 @dataclass
@@ -221,7 +217,8 @@ class GPT2QKNorm(ZooModel):
 
         The residual LayerNorms (``ln_1``, ``ln_2``) have no place in this model: their weights are
         dropped and listed in the report; the QK-norm scales, absent from GPT-2 checkpoints, are set to
-        ``qk_scale_init`` (default 1.0) and the branch gains to ``gain_init`` (default 1.0).  HF ``Conv1D`` weights (``(in, out)``) are transposed.  The
+        ``qk_scale_init`` (default 1.0) and the branch gains to ``gain_init`` (default 1.0).  HF ``Conv1D``
+        weights (``(in, out)``) are transposed.  The
         vocabulary and block size of the checkpoint must match the model's (build it with the
         checkpoint's ``vocab_size``, e.g. 50257 for HF GPT-2).
 

@@ -34,7 +34,7 @@ from torch import nn
 
 from certblocks._validation import check_real
 from certblocks.blocks.attention import QKNormAttention
-from certblocks.blocks.gain import LayerScale, ScaledBranch, check_init_values
+from certblocks.blocks.gain import LayerScale, check_init_values, gained_velocities
 from certblocks.blocks.mlp import MLP, activation_name
 from certblocks.bounds import op_norm, row_norm_max, vec_norm
 from certblocks.certificate import BlockCertificate, cross_entropy_gradient
@@ -130,12 +130,8 @@ class CertifiedViTBlock(nn.Module):
         return x + self.drop_path2(self.ls2(self.mlp(x)))
 
     def velocities(self, prefix: str) -> List[Tuple[str, nn.Module]]:
-        """``(path, velocity)`` of the block's two updates; a branch with a gain is a :class:`ScaledBranch`."""
-        out: List[Tuple[str, nn.Module]] = []
-        for branch, ls in (("attn", "ls1"), ("mlp", "ls2")):
-            m, gain = getattr(self, branch), getattr(self, ls)
-            out.append((f"{prefix}{branch}", ScaledBranch(m, gain, (branch, ls)) if isinstance(gain, LayerScale) else m))
-        return out
+        """``(path, velocity)`` of the two updates; a branch with a gain is a :class:`ScaledBranch`."""
+        return gained_velocities(self, prefix)
 
 
 class CertifiedVisionTransformer(VisionTransformer, ZooModel):

@@ -30,7 +30,7 @@ from ..certificate import BlockCertificate, Peak
 from ..exponents import Exponents
 from ..protocol import CapSlot, EnforceableBlock
 
-__all__ = ["LayerScale", "ScaledBranch", "scaled_certificate"]
+__all__ = ["LayerScale", "ScaledBranch", "scaled_certificate", "gained_velocities"]
 
 
 class LayerScale(nn.Module):
@@ -71,7 +71,7 @@ def check_init_values(value: Any) -> float:
 
 
 def scaled_certificate(cert: BlockCertificate, gain: float) -> BlockCertificate:
-    """The certificate of ``gamma * v`` for ``v`` certified by ``cert`` and ``max |gamma| <= gain`` (module docstring)."""
+    """The certificate of ``gamma * v`` for ``v`` certified by ``cert`` and ``max |gamma| <= gain`` (module doc)."""
     g = float(gain)
     if not (g >= 0.0 and g < float("inf")):
         raise ValueError(f"gain must be finite and >= 0, got {gain!r}")
@@ -140,3 +140,13 @@ class ScaledBranch(nn.Module):
         if not isinstance(branch, EnforceableBlock):
             raise TypeError(f"{type(branch).__name__} has no cap_slots() / certificate_from_caps()")
         return branch
+
+
+def gained_velocities(block: nn.Module, prefix: str, pairs: tuple = (("attn", "ls1"), ("mlp", "ls2"))) -> List[tuple]:
+    """``(path, velocity)`` of a block's updates, each a ``(branch, gain)`` pair of its children: the branch itself,
+    or a :class:`ScaledBranch` when its gain is a :class:`LayerScale` (not an identity)."""
+    out = []
+    for branch, ls in pairs:
+        m, gain = getattr(block, branch), getattr(block, ls)
+        out.append((f"{prefix}{branch}", ScaledBranch(m, gain, (branch, ls)) if isinstance(gain, LayerScale) else m))
+    return out
