@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Callable, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
 from certblocks._validation import check_bool, check_int
-from certblocks.bounds import one_thread, op_norm, row_norm_max, vec_norm
+from certblocks.bounds import concurrent_calls, one_thread, op_norm, row_norm_max, vec_norm
 from certblocks.bounds.normalization import module_norm_bounds
 from certblocks.budget import dtype_name
 from certblocks.certificate import BlockCertificate, Peak, StackCertificate, certify_stack
@@ -88,11 +88,7 @@ class ZooModel(nn.Module, metaclass=abc.ABCMeta):
         cached = self.__dict__.get("_cert_cache")
         if cached is not None and cached[0] == key:
             return list(cached[1])
-        with one_thread():  # small float64 linear algebra: one thread is much faster here
-            certs = [renamed(block_certificate(m, seq_len=n, prefix=f"{name}."), name)
-                     for name, m in self.residual_updates()]
-        self.__dict__["_cert_cache"] = (key, tuple(certs))
-        return certs
+        return list(self._fill_caches(n, key[1], "updates"))  # the updates certified concurrently
 
     def _weights_key(self) -> tuple:
         """The parameters' and buffers' identities and versions (an optimizer step bumps the versions)."""
@@ -110,8 +106,54 @@ class ZooModel(nn.Module, metaclass=abc.ABCMeta):
         return cached[1]
 
     def _radius(self) -> float:
-        """:meth:`input_radius`, cached."""
-        return self._cached("_radius_cache", lambda: float(self.input_radius()))
+        """:meth:`input_radius`, cached; a stale cache is refilled with what :meth:`certificate` reads next."""
+        wkey = self._weights_key()
+        cached = self.__dict__.get("_radius_cache")
+        if cached is not None and cached[0] == wkey:
+            return cached[1]
+        return self._fill_caches(self.certificate_seq_len(), wkey, "radius")
+
+    def _fill_caches(self, n: int, wkey: tuple, want: str) -> Any:
+        """Compute ``want`` -- ``"updates"`` (the update certificates at ``seq_len = n``) or ``"radius"`` -- on
+        the threads torch may use (:func:`certblocks.bounds.concurrent_calls`: bit-identical values), cache it
+        and return it.
+
+        With ``want="radius"`` (the first thing :meth:`certificate` reads), what it reads next is computed on the
+        same threads when its cache is stale: the head certificate and the update certificates at ``n`` (the
+        default ``seq_len``), so that the head's large norms overlap the updates'.  Each part is computed exactly
+        as alone (same values, bit for bit) from the same weights (``wkey``).  A speculative part that raises is
+        not cached (the call that asks for it computes it again and raises); an exception of ``want`` is raised
+        (an update's: the first in depth order, as when they were certified one after another).
+        """
+        def stale(slot: str, key: tuple) -> bool:
+            cached = self.__dict__.get(slot)
+            return cached is None or cached[0] != key
+
+        parts: Dict[str, List[Callable[[], Any]]] = {}  # the longest first: the head's lm_head norm
+        if want == "radius" and stale("_head_cache", wkey):
+            parts["head"] = [self.head_certificate]
+        if want == "radius":
+            parts["radius"] = [lambda: float(self.input_radius())]
+        if want == "updates" or stale("_cert_cache", (n, wkey)):
+            parts["updates"] = [lambda m=m, name=name: _update_certificate(m, n, name)
+                                for name, m in self.residual_updates()]
+        results = iter(concurrent_calls([task for tasks in parts.values() for task in tasks],
+                                        return_exceptions=True))
+        out: Dict[str, Any] = {}
+        for part, tasks in parts.items():
+            values = [next(results) for _ in tasks]
+            failure = next((value for value in values if isinstance(value, Exception)), None)
+            if failure is not None:
+                if part == want:
+                    raise failure
+                continue
+            if part == "updates":
+                out[part] = tuple(values)
+                self.__dict__["_cert_cache"] = ((n, wkey), out[part])
+            else:
+                out[part] = values[0]
+                self.__dict__[f"_{part}_cache"] = (wkey, out[part])
+        return out[want]
 
     def certificate(self, dtype: Union[str, torch.dtype, None] = None, *, r0: Optional[float] = None,
                     seq_len: Optional[int] = None, dt: float = 1.0, lip_g: Optional[float] = None) -> StackCertificate:
@@ -149,6 +191,11 @@ class ZooModel(nn.Module, metaclass=abc.ABCMeta):
                 f"(r0 = {cert.r0:.4g}, seq_len = {self.certificate_seq_len()}): certified depth "
                 f"{cert.certified_depth} of {cert.depth}; {f.reason}. Fix: {f.fix}. "
                 "Build it with certify=False to get it anyway (its .certificate() still tells).", cert)
+
+
+def _update_certificate(module: nn.Module, seq_len: int, name: str) -> BlockCertificate:
+    """One residual update's certificate, named by its module path."""
+    return renamed(block_certificate(module, seq_len=seq_len, prefix=f"{name}."), name)
 
 
 def normed_linear_head(norms: List[nn.Module], linear: Optional[nn.Linear], name: str) -> BlockCertificate:

@@ -136,7 +136,7 @@ class GPT2QKNorm(ZooModel):
         self.init_values = check_init_values(init_values) if init_values else None  # None or 0: no gains
         if n_embd % n_head:
             raise ValueError(f"n_head={n_head} must divide n_embd={n_embd}")
-        dd = {"device": device, "dtype": dtype}
+        dd = {"device": "meta", "dtype": dtype}  # built without values, then materialized and initialized once
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(vocab_size, n_embd, **dd),
             wpe=nn.Embedding(block_size, n_embd, **dd),
@@ -147,23 +147,42 @@ class GPT2QKNorm(ZooModel):
             ln_f=nn.LayerNorm(n_embd, bias=bias, **dd),
         ))
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False, **dd)
-        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as nanoGPT
+        self.to_empty(device=torch.get_default_device() if device is None else device)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as nanoGPT (after to_empty, which unties)
         self._init_weights()
         self._certify_or_refuse(certify, cert_dtype)
 
     def _init_weights(self) -> None:
-        """nanoGPT's initialization: N(0, 0.02), residual projections N(0, 0.02 / sqrt(2 n_layer)), QK scales 1."""
+        """nanoGPT's initialization, every parameter set once (the layers are built on the meta device).
+
+        Linear and embedding weights N(0, 0.02), the residual projections (``attn.c_proj``, ``mlp.fc2``)
+        N(0, 0.02 / sqrt(2 n_layer)), biases 0; the layers' own defaults for the rest: QK-norm and ``ln_f`` scales 1,
+        branch gains ``init_values``.  The same distributions as the layers' default initialization overwritten by
+        nanoGPT's, drawn once: a seed gives other weights than before the layers were built on the meta device
+        (the default initialization no longer draws from the generator first).  A parameter that no rule covers
+        raises (it would hold uninitialized memory).
+        """
         std_proj = 0.02 / (2 * self.n_layer) ** 0.5
+        seen = set()
         with torch.no_grad():
-            for name, p in self.named_parameters():
-                if name.endswith(("q_norm.weight", "k_norm.weight", ".gamma")) or ".ln_f." in f".{name}":
-                    continue
-                if name.endswith("bias"):
-                    p.zero_()
-                elif name.endswith(("attn.c_proj.weight", "mlp.fc2.weight")):
-                    p.normal_(0.0, std_proj)
-                else:
-                    p.normal_(0.0, 0.02)
+            for mname, mod in self.named_modules():
+                for pname, p in mod.named_parameters(recurse=False):
+                    if id(p) in seen:  # the tied lm_head / wte weight, drawn once (as wte)
+                        continue
+                    seen.add(id(p))
+                    name = f"{mname}.{pname}"
+                    if isinstance(mod, LayerScale) and pname == "gamma":
+                        p.fill_(mod.init_values)
+                    elif pname == "bias":
+                        p.zero_()
+                    elif pname == "weight" and (isinstance(mod, nn.LayerNorm)
+                                                or mname.endswith(("q_norm", "k_norm"))):
+                        p.fill_(1.0)
+                    elif pname == "weight" and isinstance(mod, (nn.Linear, nn.Embedding)):
+                        p.normal_(0.0, std_proj if name.endswith(("attn.c_proj.weight", "mlp.fc2.weight")) else 0.02)
+                    else:
+                        raise RuntimeError(f"GPT2QKNorm._init_weights has no rule for {name!r} "
+                                           f"({type(mod).__name__}): it would stay uninitialized")
 
     # -- ZooModel ------------------------------------------------------------------------------------------
     def residual_updates(self) -> List[Tuple[str, nn.Module]]:

@@ -14,6 +14,7 @@ from .normalization import NORM_KINDS, module_norm_bounds, norm_bounds, prenorm_
 from .norms import (
     EXACT_LIMIT,
     UNIT_ROUNDOFF,
+    concurrent_calls,
     inf_norm,
     margin,
     one_thread,
@@ -39,6 +40,7 @@ __all__ = [
     "SIGMOID_DERIVATIVE_MAX",
     "UNIT_ROUNDOFF",
     "activation",
+    "concurrent_calls",
     "fold_peak",
     "inf_norm",
     "lipschitz",
