@@ -18,10 +18,13 @@ import json
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Sequence, Tuple, Union
 
 from . import budget as _budget
 from ._format import fmt_num as _fmt_num
+
+if TYPE_CHECKING:
+    from .fixes import Fix
 from ._format import json_number
 from .exponents import Exponents
 from .failures import Failure, head_gradient_failure, locate_failure, suggest_fix
@@ -335,6 +338,14 @@ class StackCertificate:
                                  loss_grad=self.loss_grad)
         return certify_stack(self.updates, dtype, dt=self.dt, r0=self.r0, lip_g=self.lip_g)
 
+    def fixes(self) -> List[Fix]:
+        """For a refused chain, the value of each generic lever that certifies it, each certified again: the
+        largest depth, the largest ``dt`` and a wider dtype when it certifies more (:mod:`certblocks.fixes`;
+        a model adds its blocks' levers: ``ZooModel.fixes()``, ``CertifiedStack.fixes()``).  Empty when ``ok``."""
+        from .fixes import compute_fixes
+
+        return compute_fixes(self)
+
     def to_dict(self) -> Dict[str, Any]:
         return {
             "dtype": self.dtype, "max_value": self.max_value, "dt": self.dt, "r0": self.r0, "lip_g": self.lip_g,
@@ -348,6 +359,7 @@ class StackCertificate:
             "radius_out": json_number(self.radii[-1]),
             "head": None if self.head is None else self.head.to_dict(),
             "loss_grad": self.loss_grad, "output_bound": json_number(self.output_bound),
+            "fixes": [f.to_dict() for f in self.fixes()],
         }
 
     def to_json(self, **kwargs: Any) -> str:
@@ -393,7 +405,12 @@ class StackCertificate:
             f = self.first_failure
             assert f is not None
             out.append(f"NOT certified: {f.reason}")
-            out.append(f"fix: {f.fix}")
+            out.append(f"culprit's fix: {f.fix}")
+            from .fixes import format_fixes
+
+            fixes = format_fixes(self.fixes())
+            if fixes:
+                out.append(fixes)
         return "\n".join(out)
 
     def __str__(self) -> str:

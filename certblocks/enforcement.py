@@ -70,7 +70,7 @@ from .certificate import BlockCertificate, StackCertificate, certify_stack
 from .monitor import ResidualUpdates, residual_updates
 from .protocol import CapSlot, EnforceableBlock
 
-__all__ = ["enforce", "unenforce", "EnforceReport", "NormCap", "ScaleClamp"]
+__all__ = ["enforce", "unenforce", "cap_factor", "EnforceReport", "NormCap", "ScaleClamp"]
 
 _FLOOR = 1.0
 
@@ -221,31 +221,16 @@ def _worst_stack(plans: List[_Plan], alpha: float, depth: int, ups: ResidualUpda
     return certify_stack(full, dtype, dt=ups.dt, r0=ups.radius(), lip_g=ups.lip_g)
 
 
-def enforce(model: Any, dtype: Union[str, torch.dtype], depth: Optional[int] = None, *,
-            r0: Optional[float] = None) -> EnforceReport:
-    """Cap the weights of ``model``'s residual updates so that its certificate holds for every parameter value.
-
-    See the module docstring for the parametrizations and how the caps are chosen.
-
-    Args:
-        model: a :class:`~certblocks.CertifiedStack`, a zoo model, a converted model or ``(name, module)``
-            pairs (as for :class:`~certblocks.CertificateMonitor`).
-        dtype: the dtype the certificate is for.
-        depth: the number of updates to certify (default: the model's; larger plans for added layers).
-        r0: the input radius (default: the model's at this call).
-
-    Returns:
-        An :class:`EnforceReport` (``alpha``, the caps, the worst-case certificate).
-
-    Raises:
-        TypeError: an update is not supported, or a tensor is already parametrized.
-        ValueError: ``depth`` smaller than the number of updates, or no caps can certify the stack
-            (e.g. ``r0`` alone overflows the dtype).
-    """
+def _prepare(model: Any, dtype: Union[str, torch.dtype], depth: Optional[int], r0: Optional[float],
+             lip_g: Optional[float]) -> Tuple[str, ResidualUpdates, List[_Plan], int]:
     dt_name = dtype_name(dtype)
     ups = residual_updates(model, r0=r0)
     if r0 is None and callable(ups.r0):
         ups.r0 = float(ups.r0())  # freeze: the guarantee is for this radius
+    if lip_g is not None:
+        if isinstance(lip_g, bool) or not isinstance(lip_g, (int, float)) or not (0 < lip_g < math.inf):
+            raise ValueError(f"lip_g must be a finite number > 0 or None, got {lip_g!r}")
+        ups.lip_g = float(lip_g)
     n = len(ups.modules)
     if depth is None:
         depth = n
@@ -253,12 +238,11 @@ def enforce(model: Any, dtype: Union[str, torch.dtype], depth: Optional[int] = N
         raise TypeError(f"depth must be an int >= {n} (the number of updates) or None, got {depth!r}")
     if depth < n:
         raise ValueError(f"depth must be >= the number of residual updates ({n}), got {depth}")
-    plans = [_plan(name, m) for name, m in zip(ups.names, ups.modules)]
-    for p in plans:
-        for sl in p.slots:
-            if parametrize.is_parametrized(sl.module, sl.name):
-                raise TypeError(f"{p.name}: {type(sl.module).__name__}.{sl.name} is already parametrized; "
-                                "call certblocks.unenforce first")
+    return dt_name, ups, [_plan(name, m) for name, m in zip(ups.names, ups.modules)], depth
+
+
+def _search_alpha(plans: List[_Plan], depth: int, ups: ResidualUpdates, dt_name: str) -> Tuple[float, StackCertificate]:
+    """The largest common factor (bisection on a log scale, then ``* 0.99``) whose worst case is certified."""
     lo, hi = math.log(1e-8), math.log(1e8)
     if not _worst_stack(plans, math.exp(lo), depth, ups, dt_name).ok:
         raise ValueError(f"no caps certify this model in {dt_name} at depth {depth}: even with every norm at "
@@ -275,6 +259,49 @@ def enforce(model: Any, dtype: Union[str, torch.dtype], depth: Optional[int] = N
     alpha = math.exp(lo) * 0.99
     worst = _worst_stack(plans, alpha, depth, ups, dt_name)
     assert worst.ok
+    return alpha, worst
+
+
+def cap_factor(model: Any, dtype: Union[str, torch.dtype], depth: Optional[int] = None, *,
+               r0: Optional[float] = None, lip_g: Optional[float] = None) -> Tuple[float, StackCertificate]:
+    """The cap factor ``alpha`` :func:`enforce` would choose, and its worst-case certificate; registers nothing.
+
+    Same arguments as :func:`enforce`.  ``alpha >= 1`` keeps the current weights; ``alpha < 1`` shrinks them.
+    """
+    dt_name, ups, plans, depth = _prepare(model, dtype, depth, r0, lip_g)
+    return _search_alpha(plans, depth, ups, dt_name)
+
+
+def enforce(model: Any, dtype: Union[str, torch.dtype], depth: Optional[int] = None, *,
+            r0: Optional[float] = None, lip_g: Optional[float] = None) -> EnforceReport:
+    """Cap the weights of ``model``'s residual updates so that its certificate holds for every parameter value.
+
+    See the module docstring for the parametrizations and how the caps are chosen.
+
+    Args:
+        model: a :class:`~certblocks.CertifiedStack`, a zoo model, a converted model or ``(name, module)``
+            pairs (as for :class:`~certblocks.CertificateMonitor`).
+        dtype: the dtype the certificate is for.
+        depth: the number of updates to certify (default: the model's; larger plans for added layers).
+        r0: the input radius (default: the model's at this call).
+        lip_g: ``Lip(G)`` of the head (default: the model's, 1 for a zoo model); the head is not capped, so a
+            head's bound holds while its weights stay as they are.
+
+    Returns:
+        An :class:`EnforceReport` (``alpha``, the caps, the worst-case certificate).
+
+    Raises:
+        TypeError: an update is not supported, or a tensor is already parametrized.
+        ValueError: ``depth`` smaller than the number of updates, or no caps can certify the stack
+            (e.g. ``r0`` alone overflows the dtype).
+    """
+    dt_name, ups, plans, depth = _prepare(model, dtype, depth, r0, lip_g)
+    for p in plans:
+        for sl in p.slots:
+            if parametrize.is_parametrized(sl.module, sl.name):
+                raise TypeError(f"{p.name}: {type(sl.module).__name__}.{sl.name} is already parametrized; "
+                                "call certblocks.unenforce first")
+    alpha, worst = _search_alpha(plans, depth, ups, dt_name)
     caps: Dict[str, List[float]] = {}
     done: List[Tuple[nn.Module, str]] = []
     for p in plans:

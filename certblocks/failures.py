@@ -31,14 +31,14 @@ def suggest_fix(cert: BlockCertificate, kind: str) -> str:
         what = "Jacobian" if kind == "backward" else "gain"
         where = "map" if cert.kind == "map" else "residual block"
         return (f"this {where}'s {what} is too large for the dtype whatever the depth: reduce its operator norm "
-                "(rescale or normalize its weights, or normalize its output), bound the input radius, or use a "
-                "wider dtype")
+                "(rescale or normalize its weights, or normalize its output) or bound the input radius (the computed "
+                "fixes say whether a wider dtype certifies it)")
     if kind == "intermediate":
         what = cert.peak.what if cert.peak is not None and cert.peak.what else "the largest intermediate"
         order = f" (it grows like ||x||^{cert.peak.q:g})" if cert.peak is not None else ""
         hint = (" -- normalize queries and keys (QK-norm bounds the logits)" if "logit" in what else
                 " -- normalize or bound the inputs of the product that makes it")
-        return f"bound {what}{order}{hint}; or use a wider dtype, a smaller input radius or fewer updates"
+        return f"bound {what}{order}{hint}; or a smaller input radius or fewer updates"
     if cert.fix:
         return cert.fix
     if kind == "unknown":
@@ -49,10 +49,10 @@ def suggest_fix(cert: BlockCertificate, kind: str) -> str:
                 "swap it for a Lipschitz or bounded substitute (q -> 1), e.g. a sigmoid gate instead of SiLU")
     if kind == "backward" and cert.sigma is not None and cert.sigma > 0:
         return (f"sigma = {cert.sigma:g} > 0: bound the culprit -- normalize the branch input (sigma -> 0), or for "
-                "attention normalize queries and keys (QK-norm removes the R^2 term); or use a wider dtype, "
-                "a smaller dt or fewer updates")
+                "attention normalize queries and keys (QK-norm removes the R^2 term); or a smaller dt or fewer "
+                "updates")
     return ("the coefficients are too large for this depth: reduce the operator norms (c, l0), the step dt or the "
-            "depth, or use a wider dtype")
+            "depth")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from ._validation import check_finite
 from .bounds import one_thread
 from .budget import dtype_name
 from .certificate import BlockCertificate, StackCertificate, certify_stack
+from .fixes import Fix, compute_fixes, format_fixes
 
 __all__ = ["CertificationError", "CertifiedStack", "build_stack", "block_certificate"]
 
@@ -99,11 +100,33 @@ def _split(blocks: Iterable[BlockSpec], seq_len: int | None
     return modules, certs, explicit
 
 
-def _error_message(cert: StackCertificate) -> str:
+def _error_message(cert: StackCertificate, fixes: Sequence[Fix] = ()) -> str:
     f = cert.first_failure
     assert f is not None
+    text = format_fixes(fixes)
     return (f"stack of {cert.depth} updates is not certified in {cert.dtype}: certified depth {cert.certified_depth} "
-            f"of {cert.depth}; {f.reason}. Fix: {f.fix}.")
+            f"of {cert.depth}; {f.reason}. Culprit's fix: {f.fix}."
+            + (f" {text[0].upper()}{text[1:]}." if text else ""))
+
+
+def _fixes(stack: CertifiedStack, cert: StackCertificate) -> List[Fix]:
+    """The computed fixes of a refused stack: its blocks' levers, ``dt``, depth, enforce's cap factor, dtype."""
+    if cert.ok:
+        return []
+    levers = {k: list(getattr(m, "levers", lambda: [])()) for k, (m, fixed) in
+              enumerate(zip(stack.blocks, stack._explicit)) if fixed is None}
+    extra: List[Fix] = []
+    if all(fixed is None for fixed in stack._explicit):
+        from .enforcement import cap_factor
+
+        try:
+            alpha, worst = cap_factor(stack, cert.dtype)
+            extra.append(Fix("enforce", alpha, worst.certified_depth, worst.depth, worst.ok,
+                             f"certblocks.enforce(stack, {cert.dtype!r}) with cap factor {alpha:.3g} "
+                             f"({'keeps' if alpha >= 1 else 'shrinks'} the current weights)"))
+        except (TypeError, ValueError):  # a block without caps, or no caps certify it
+            pass
+    return compute_fixes(cert, levers={k: v for k, v in levers.items() if v}, extra=extra)
 
 
 class CertifiedStack(nn.Module):
@@ -171,8 +194,14 @@ class CertifiedStack(nn.Module):
         self._certificate = certify_stack(certs, self.dtype, dt=self.dt, r0=self.r0, lip_g=self.lip_g)
         self._certified_state = self._state_key()
         if strict and not self._certificate.ok:
-            raise CertificationError(_error_message(self._certificate), self._certificate)
+            raise CertificationError(_error_message(self._certificate, self.fixes()), self._certificate)
         return self._certificate
+
+    def fixes(self) -> List[Fix]:
+        """For a stack not certified, the value of each lever that certifies it, each certified again
+        (:mod:`certblocks.fixes`): the blocks' ``init_values`` / ``qk_norm_eps``, ``dt``, the depth,
+        :func:`certblocks.enforce`'s cap factor and a wider dtype when it certifies more.  Empty when certified."""
+        return _fixes(self, self.certificate)
 
     def extra_repr(self) -> str:
         c = self.certificate
@@ -196,12 +225,14 @@ def build_stack(blocks: Iterable[BlockSpec], dtype: Union[str, torch.dtype], *, 
 
     Raises:
         CertificationError: the stack is not certified at its depth; the message
-            names the first failing update, its exponents, the certified depth
-            and the fix.
+            names the first failing update, its exponents, the certified depth,
+            the culprit's fix and the computed value of each lever that certifies
+            the stack (:meth:`CertifiedStack.fixes`).
     """
     modules, certs, explicit = _split(blocks, seq_len)
     cert = certify_stack(certs, dtype_name(dtype), dt=dt, r0=r0, lip_g=lip_g)
+    stack = CertifiedStack(modules, cert, dt=dt, r0=r0, lip_g=lip_g, seq_len=seq_len, explicit=explicit)
     if certify and not cert.ok:
-        raise CertificationError(_error_message(cert), cert)
-    return CertifiedStack(modules, cert, dt=dt, r0=r0, lip_g=lip_g, seq_len=seq_len, explicit=explicit)
+        raise CertificationError(_error_message(cert, _fixes(stack, cert)), cert)
+    return stack
 

@@ -116,7 +116,8 @@ def test_explain_is_a_readable_table():
     s = certify_stack(certs, "fp32")
     text = s.explain()
     assert "blocks.12.attn" in text and "NOT certified" in text and "fix:" in text
-    assert len(text.splitlines()) == 13 + 6
+    assert len(text.splitlines()) == 13 + 7  # header, columns, rule, rows, R_n, verdict, culprit fix, computed fixes
+    assert text.splitlines()[-1].startswith("fixes (each certified again): dt <= ")
     ok = certify_stack(certs[:3], "fp32")
     assert "certified: all 3 updates" in ok.explain()
     data = json.loads(s.to_json())

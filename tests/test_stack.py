@@ -92,7 +92,8 @@ def test_error_message_names_update_exponents_depth_and_fix():
         build_stack(specs, "fp16")
     msg = str(info.value)
     assert "not certified in fp16" in msg and "certified depth" in msg
-    assert "gated_mlp.6" in msg and "(q=2, sigma=1)" in msg and "SiLU gate" in msg and "Fix:" in msg
+    assert "gated_mlp.6" in msg and "(q=2, sigma=1)" in msg and "SiLU gate" in msg and "Culprit's fix:" in msg
+    assert "Fixes (each certified again): dt <= " in msg and "at most 16 residual updates" in msg
     cert = info.value.certificate
     assert cert is not None and not cert.ok and f"certified depth {cert.certified_depth} of 18" in msg
 

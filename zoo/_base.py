@@ -33,10 +33,12 @@ import torch
 from torch import nn
 
 from certblocks._validation import check_bool, check_int
+from certblocks.blocks.gain import scaled_certificate
 from certblocks.bounds import concurrent_calls, one_thread, op_norm, row_norm_max, vec_norm
 from certblocks.bounds.normalization import module_norm_bounds
 from certblocks.budget import dtype_name
 from certblocks.certificate import BlockCertificate, Peak, StackCertificate, certify_stack
+from certblocks.fixes import Fix, Lever, compute_fixes, format_fixes
 from certblocks.stack import CertificationError, block_certificate
 
 __all__ = ["ZooModel", "DEFAULT_CERT_DTYPE", "normed_linear_head", "renamed"]
@@ -61,6 +63,8 @@ class ZooModel(nn.Module, metaclass=abc.ABCMeta):
     cert_dtype: str = DEFAULT_CERT_DTYPE
     #: Bound on the training loss's gradient in the head's output (1: no loss named).
     loss_gradient: float = 1.0
+    #: The constructor takes ``init_values`` (branch gains): a refusal computes the gain that certifies.
+    branch_gains: bool = False
 
     # -- to implement --------------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -176,6 +180,45 @@ class ZooModel(nn.Module, metaclass=abc.ABCMeta):
                                  loss_grad=self.loss_gradient)
         return certify_stack(certs, dtype or self.cert_dtype, dt=dt, r0=r, lip_g=1.0 if lip_g is None else lip_g)
 
+    def levers(self, seq_len: Optional[int] = None) -> Dict[int, List[Lever]]:
+        """The block levers of each residual update (``qk_norm_eps``, ``init_values``), by update index.
+
+        With :attr:`branch_gains`, an update without a gain gets the ``init_values`` lever too (a gain ``v``
+        scales its certificate by ``v``).
+        """
+        out: Dict[int, List[Lever]] = {}
+        for k, (_, m) in enumerate(self.residual_updates()):
+            ls = list(getattr(m, "levers", lambda: [])())
+            if self.branch_gains and not any(lv.name == "init_values" for lv in ls):
+                ls.append(Lever("init_values", 1.0, False, scaled_certificate))
+            if ls:
+                out[k] = ls
+        return out
+
+    def fixes(self, dtype: Union[str, torch.dtype, None] = None, *, enforce: bool = True) -> List[Fix]:
+        """For a model refused in ``dtype`` (default ``cert_dtype``), the value of each lever that certifies it,
+        each certified again (:mod:`certblocks.fixes`): ``init_values`` (branch gains), ``qk_norm_eps``, the
+        number of updates, :func:`certblocks.enforce`'s cap factor (``enforce=True``; the head keeps its current
+        ``Lip(G)``) and a wider dtype when it certifies more.  Empty when the model is certified."""
+        cert = self.certificate(dtype)
+        if cert.ok:
+            return []
+        extra: List[Fix] = []
+        if enforce:
+            extra += self._enforce_fix(cert)
+        return compute_fixes(cert, levers=self.levers(), extra=extra, dt=False)
+
+    def _enforce_fix(self, cert: StackCertificate) -> List[Fix]:
+        from certblocks.enforcement import cap_factor
+
+        try:
+            alpha, worst = cap_factor(self, cert.dtype, lip_g=cert.lip_g)
+        except (TypeError, ValueError):  # a block without caps, or no caps certify it
+            return []
+        return [Fix("enforce", alpha, worst.certified_depth, worst.depth, worst.ok,
+                    f"certblocks.enforce(model, {cert.dtype!r}) with cap factor {alpha:.3g} "
+                    f"({'keeps' if alpha >= 1 else 'shrinks'} the current weights)")]
+
     def _certify_or_refuse(self, certify: bool, cert_dtype: Union[str, torch.dtype, None]) -> None:
         """Set ``cert_dtype``; when ``certify``, raise :class:`CertificationError` if the model is not certified."""
         check_bool("certify", certify)
@@ -186,11 +229,14 @@ class ZooModel(nn.Module, metaclass=abc.ABCMeta):
         if not cert.ok:
             f = cert.first_failure
             assert f is not None
+            fixes = format_fixes(self.fixes(enforce=False))  # enforce's cap factor: .fixes() (every norm again)
             raise CertificationError(
                 f"{type(self).__name__} with {cert.depth} residual updates is not certified in {cert.dtype} "
                 f"(r0 = {cert.r0:.4g}, seq_len = {self.certificate_seq_len()}): certified depth "
-                f"{cert.certified_depth} of {cert.depth}; {f.reason}. Fix: {f.fix}. "
-                "Build it with certify=False to get it anyway (its .certificate() still tells).", cert)
+                f"{cert.certified_depth} of {cert.depth}; {f.reason}. Culprit's fix: {f.fix}. "
+                + (f"{fixes[0].upper()}{fixes[1:]}. " if fixes else "")
+                + "Build it with certify=False to get it anyway (its .certificate() still tells; .fixes() also "
+                "computes certblocks.enforce's cap factor).", cert)
 
 
 def _update_certificate(module: nn.Module, seq_len: int, name: str) -> BlockCertificate:

@@ -60,6 +60,7 @@ from .. import bounds
 from .._validation import check_cert_args, check_choice, check_finite, check_input, check_int, check_prob
 from ..certificate import BlockCertificate, Peak
 from ..exponents import ATTENTION, QK_NORM_ATTENTION, Exponents
+from ..fixes import Lever, scale_l1
 from ..protocol import CapSlot, linear_cap_slots
 from .attention_sources import read_source
 from .qk_norm import QK_NORMS, QKNorm, SplitQKVRMSNorm
@@ -336,6 +337,14 @@ class _SelfAttention(nn.Module):
         check_finite(self)
         return self._certificate(self._norms(seq_len))
 
+    def levers(self) -> List[Lever]:
+        """With QK-norm, ``qk_norm_eps``: ``G = ||g||_inf / sqrt(eps)`` is the only place ``eps`` enters the bound, so
+        ``l1`` at a common ``eps'`` is at most ``l1 sqrt(max(eps_q, eps_k) / eps')`` and nothing else moves."""
+        if self.qk_norm is None:
+            return []
+        current = max(float(self.q_norm.eps), float(self.k_norm.eps))
+        return [Lever("qk_norm_eps", current, True, lambda cert, eps: scale_l1(cert, math.sqrt(current / eps)))]
+
     def cap_slots(self) -> List[CapSlot]:
         """``in_proj`` in three row blocks (``aq, ak, av`` / ``betaq, betak, betav``), ``out_proj`` (``ao``,
         ``betao``) and, with QK-norm, the norms' scales (``gammaq``, ``gammak``) and biases (``betanq``, ``betank``)."""
@@ -389,7 +398,8 @@ class _SelfAttention(nn.Module):
         else:
             e = QK_NORM_ATTENTION
             culprit = f"QK-normalized ({self.qk_norm}) attention: Jacobian ~ R through the spread of the values"
-            fix = ""
+            fix = ("its Jacobian coefficient l1 grows like 1/sqrt(qk_norm_eps): raise qk_norm_eps, give the branch a "
+                   "small gain (init_values) or a smaller dt, or use fewer updates")
         return BlockCertificate(e.q, e.sigma, c=n.c, b=n.b, l1=l1, l0=l0, name=type(self).__name__,
                                 culprit=culprit, fix=fix, peak=self._peak(n))
 

@@ -28,6 +28,7 @@ from .. import bounds
 from .._validation import check_cert_args
 from ..certificate import BlockCertificate, Peak
 from ..exponents import Exponents
+from ..fixes import Lever
 from ..protocol import CapSlot, EnforceableBlock
 
 __all__ = ["LayerScale", "ScaledBranch", "scaled_certificate", "gained_velocities"]
@@ -125,6 +126,15 @@ class ScaledBranch(nn.Module):
         """The branch's certificate scaled by ``max |gamma|`` (module docstring)."""
         check_cert_args(seq_len, r0)
         return scaled_certificate(self.branch.certificate(seq_len=seq_len, r0=r0), self.gain.bound())
+
+    def levers(self) -> List[Lever]:
+        """The branch's levers (they scale coefficients, which commutes with the gain) and ``init_values``: the
+        certificate at a gain ``v`` is this one scaled by ``v / max |gamma|``."""
+        out = list(getattr(self.branch, "levers", lambda: [])())
+        g = self.gain.bound()
+        if g > 0:
+            out.append(Lever("init_values", g, False, lambda cert, v: scaled_certificate(cert, v / g)))
+        return out
 
     def cap_slots(self) -> List[CapSlot]:
         """The branch's slots and the gain (``"gain"``, a clamp of ``gamma``)."""
