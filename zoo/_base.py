@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from certblocks._validation import check_bool, check_int
-from certblocks.blocks.gain import scaled_certificate
+from certblocks.blocks.gain import ScaledBranch, scaled_certificate
 from certblocks.bounds import concurrent_calls, one_thread, op_norm, row_norm_max, vec_norm
 from certblocks.bounds.normalization import module_norm_bounds
 from certblocks.budget import dtype_name
@@ -241,7 +241,9 @@ class ZooModel(nn.Module, metaclass=abc.ABCMeta):
 
 def _update_certificate(module: nn.Module, seq_len: int, name: str) -> BlockCertificate:
     """One residual update's certificate, named by its module path."""
-    return renamed(block_certificate(module, seq_len=seq_len, prefix=f"{name}."), name)
+    # a gained update's view names its children as in their block (attn, ls1): the block's path is the prefix
+    prefix = f"{name.rpartition('.')[0]}." if isinstance(module, ScaledBranch) and "." in name else f"{name}."
+    return renamed(block_certificate(module, seq_len=seq_len, prefix=prefix), name)
 
 
 def normed_linear_head(norms: List[nn.Module], linear: Optional[nn.Linear], name: str) -> BlockCertificate:

@@ -29,6 +29,9 @@ class ModelEntry:
         fn: the entry point, ``fn(**overrides) -> nn.Module``.
         test: a small configuration meant for tests.
         description: one line (the entry point's first docstring line by default).
+        baseline: a comparison baseline (an uncertified or normalized variant kept to compare against):
+            :func:`create_model` builds it with ``certify=False`` unless told otherwise, and the tables show
+            its verdict.
     """
 
     name: str
@@ -36,13 +39,14 @@ class ModelEntry:
     fn: Callable[..., nn.Module]
     test: bool = False
     description: str = ""
+    baseline: bool = False
 
 
 _REGISTRY: Dict[str, ModelEntry] = {}
 
 
 def register_model(fn: Optional[F] = None, *, name: Optional[str] = None, family: str = "",
-                   test: bool = False) -> Any:
+                   test: bool = False, baseline: bool = False) -> Any:
     """Register a model entry point (usable as ``@register_model`` or ``@register_model(family=...)``).
 
     Args:
@@ -50,6 +54,7 @@ def register_model(fn: Optional[F] = None, *, name: Optional[str] = None, family
         name: registry name (default: ``fn.__name__``).
         family: the model family.
         test: mark the entry as a small test configuration.
+        baseline: mark the entry as a comparison baseline (built with ``certify=False`` by default).
 
     Raises:
         ValueError: the name is already registered to another function.
@@ -62,7 +67,7 @@ def register_model(fn: Optional[F] = None, *, name: Optional[str] = None, family
         if key in _REGISTRY and _REGISTRY[key].fn is not f:
             raise ValueError(f"model name {key!r} is already registered (by {_REGISTRY[key].fn.__module__})")
         doc = (f.__doc__ or "").strip().splitlines()
-        _REGISTRY[key] = ModelEntry(key, family or key, f, bool(test), doc[0].strip() if doc else "")
+        _REGISTRY[key] = ModelEntry(key, family or key, f, bool(test), doc[0].strip() if doc else "", bool(baseline))
         return f
 
     if fn is not None:
@@ -88,14 +93,18 @@ def create_model(name: str, **overrides: Any) -> nn.Module:
     Args:
         name: a name from :func:`list_models`.
         **overrides: constructor arguments replacing the registered configuration's
-            (e.g. ``n_layer=2``, ``certify=False``, ``cert_dtype="fp16"``).
+            (e.g. ``n_layer=2``, ``certify=False``, ``cert_dtype="fp16"``).  A comparison baseline is built
+            with ``certify=False`` unless ``certify`` is given.
 
     Raises:
         KeyError: unknown name.
         certblocks.CertificationError: the configuration is not certified at its depth for its
             certification dtype (pass ``certify=False`` to build it anyway).
     """
-    return model_entry(name).fn(**overrides)
+    entry = model_entry(name)
+    if entry.baseline:
+        overrides.setdefault("certify", False)
+    return entry.fn(**overrides)
 
 
 def list_models(pattern: str = "*", *, family: Optional[str] = None, include_test: bool = False) -> List[str]:

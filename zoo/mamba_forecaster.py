@@ -151,7 +151,7 @@ def _register(variant: str, size: str) -> None:
     fn.__name__ = f"mamba_forecaster_{variant}{suffix}"
     fn.__doc__ = (f"Mamba forecaster, {what}" + (" (test size)." if size == "test" else
                   "; width 128, d_ff 128, d_state 16, expand 2, dt_rank 32, 3 layers."))
-    register_model(fn, family="mamba_forecaster", test=size == "test")
+    register_model(fn, family="mamba_forecaster", test=size == "test", baseline=variant != "lg")
     globals()[fn.__name__] = fn
 
 

@@ -139,7 +139,7 @@ def _register(variant: str, size: str) -> None:
     fn.__name__ = f"patchtst_{variant}{suffix}"
     fn.__doc__ = (f"PatchTST forecaster, {what}" + (" (test size)." if size == "test" else
                   "; input 96, patch 16/8, width 128, 16 heads, d_ff 256, 3 layers."))
-    register_model(fn, family="patchtst", test=size == "test")
+    register_model(fn, family="patchtst", test=size == "test", baseline=variant != "noln")
     globals()[fn.__name__] = fn
 
 
