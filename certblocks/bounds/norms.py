@@ -105,6 +105,11 @@ def one_thread() -> Iterator[None]:
             torch.set_num_threads(n)
 
 
+def _distributed() -> bool:
+    dist = getattr(torch, "distributed", None)
+    return bool(dist is not None and dist.is_available() and dist.is_initialized())
+
+
 def concurrent_calls(tasks: Sequence[Callable[[], Any]], *, return_exceptions: bool = False) -> List[Any]:
     """``[task() for task in tasks]``, computed on up to ``torch.get_num_threads()`` threads, every torch op on one.
 
@@ -115,7 +120,9 @@ def concurrent_calls(tasks: Sequence[Callable[[], Any]], *, return_exceptions: b
     worker reads it when it starts (torch applies it to a new thread lazily: a worker that had not read it would
     run MKL's LAPACK on every core).  The workers run in the caller's grad mode and on its current CUDA stream (a
     weight on a GPU is read in the order the caller's stream gives).  With one thread allowed
-    (``torch.get_num_threads() == 1``) the tasks run in the calling thread, in order.
+    (``torch.get_num_threads() == 1``), or in a process of a ``torch.distributed`` group (a task may gather a
+    sharded weight, a collective that every rank must issue in the same order), the tasks run in the calling
+    thread, in order.
 
     Args:
         tasks: zero-argument callables.
@@ -126,6 +133,8 @@ def concurrent_calls(tasks: Sequence[Callable[[], Any]], *, return_exceptions: b
     """
     tasks = list(tasks)
     workers = min(torch.get_num_threads(), len(tasks))
+    if workers > 1 and _distributed():
+        workers = 1
     grad = torch.is_grad_enabled()
     # a worker starts on CUDA's default stream: keep the caller's (weights written on a side stream)
     stream = torch.cuda.current_stream() if workers > 1 and torch.cuda.is_initialized() else None
