@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import traceback
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -76,6 +77,7 @@ def entry(scenario: str, rank: int, port: int, out_dir: str, kwargs: Dict[str, A
         result = SCENARIOS[scenario](rank, **kwargs)
         dist.barrier()
         torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
+        dist.barrier()  # every rank has saved its result
     except BaseException:
         with open(os.path.join(out_dir, f"{rank}.err"), "w") as fh:
             fh.write(traceback.format_exc())
@@ -83,6 +85,11 @@ def entry(scenario: str, rank: int, port: int, out_dir: str, kwargs: Dict[str, A
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # Done: leave without the interpreter's teardown, where gloo's threads sometimes abort the process
+    # ("terminate called without an active exception", exit -6) after a complete, saved run on a busy machine.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ---------------------------------------------------------------------------------------------- DDP
