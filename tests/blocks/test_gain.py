@@ -1,0 +1,57 @@
+"""Branch gains: a gained update's certificate (the branch's times max |gamma|) against counterexample searches."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import certblocks.testing as cbt
+from certblocks.blocks import MLP, LayerScale, QKNormAttention, ScaledBranch
+
+
+def _gained(branch: torch.nn.Module, dim: int, low: float, high: float) -> ScaledBranch:
+    gain = LayerScale(dim, 1.0)
+    with torch.no_grad():  # per-channel gains of both signs, some above 1 (the peak scales then)
+        gain.gamma.uniform_(low, high)
+        gain.gamma[::2] *= -1
+    return ScaledBranch(branch, gain, ("attn" if isinstance(branch, QKNormAttention) else "mlp", "ls1")).eval()
+
+
+@pytest.mark.parametrize("kind,low,high", [("mlp", 0.05, 0.3), ("mlp", 0.5, 3.0), ("attn", 0.01, 0.2),
+                                           ("attn", 1.0, 2.5)])
+def test_gained_update_is_sound(kind, low, high):
+    torch.manual_seed(0)
+    dim = 16
+    branch = MLP(dim, 32) if kind == "mlp" else QKNormAttention(dim, 2, qk_norm_eps=1e-3)
+    block = _gained(branch, dim, low, high)
+    cert = block.certificate(seq_len=6)
+    inner = branch.certificate(seq_len=6)
+    g = block.gain.bound()
+    assert cert.c == pytest.approx(g * inner.c) and cert.l1 == pytest.approx(g * inner.l1)
+    assert cert.exponents == inner.exponents
+    cbt.assert_sound(block, cert, (6, dim), radii=(0.1, 1.0, 10.0), count=8, restarts=2, steps=4)
+
+
+def test_a_planted_small_gain_is_found():
+    torch.manual_seed(0)
+    block = _gained(MLP(16, 32), 16, 1.5, 3.0)
+    cert = block.certificate(seq_len=6)
+    too_small = dataclasses.replace(cert, c=cert.c / 4, b=cert.b / 4, l1=cert.l1 / 4, l0=cert.l0 / 4, peak=None)
+    with pytest.raises(AssertionError):
+        cbt.assert_sound(block, too_small, (6, 16), radii=(1.0,), count=8, restarts=2, steps=4)
+
+
+def test_enforce_caps_the_gain():
+    from certblocks.enforcement import cap_factor
+
+    torch.manual_seed(0)
+    block = _gained(MLP(16, 32), 16, 0.5, 0.9)
+    keys = [k for sl in block.cap_slots() for k in sl.keys]
+    assert keys[-1] == "gain"
+    worst = block.certificate_from_caps({k: 1.0 for k in keys}, seq_len=6)
+    half = block.certificate_from_caps({**{k: 1.0 for k in keys}, "gain": 0.5}, seq_len=6)
+    assert half.c == pytest.approx(0.5 * worst.c) and half.l0 == pytest.approx(0.5 * worst.l0)
+    alpha, stack = cap_factor([("u", block)], "fp16", r0=1.0)
+    assert alpha > 0 and stack.ok
