@@ -40,6 +40,7 @@ _LAZY: Dict[str, str] = {
     "register_atom": "certblocks.trace",
     "Attention": "certblocks.blocks",
     "QKNormAttention": "certblocks.blocks",
+    "RotaryQKNormAttention": "certblocks.blocks",
     "MLP": "certblocks.blocks",
     "GatedMLP": "certblocks.blocks",
     "LayerScale": "certblocks.blocks",
@@ -55,7 +56,17 @@ _SUBMODULES = ("budget", "certificate", "exponents", "conversion", "enforcement"
                "monitor")
 
 if TYPE_CHECKING:  # what static checkers and IDEs see; nothing is imported at run time
-    from .blocks import MLP, Attention, GatedMLP, LayerScale, LinearGrowthMamba, Mamba, PatchTSTBlock, QKNormAttention
+    from .blocks import (
+        MLP,
+        Attention,
+        GatedMLP,
+        LayerScale,
+        LinearGrowthMamba,
+        Mamba,
+        PatchTSTBlock,
+        QKNormAttention,
+        RotaryQKNormAttention,
+    )
     from .budget import float_max, jacobian_budget
     from .certificate import BlockCertificate, Depths, Failure, Peak, StackCertificate, certify_stack
     from .conversion import ConversionReport, convert
@@ -91,6 +102,7 @@ __all__ = [
     "Mamba",
     "PatchTSTBlock",
     "QKNormAttention",
+    "RotaryQKNormAttention",
     "certify",
     "convert",
     "CertificateMonitor",

@@ -13,6 +13,7 @@ from .mamba import LinearGrowthMamba, Mamba
 from .mlp import MLP, GatedMLP
 from .normed import NormedUpdate
 from .patchtst import PatchTSTBlock, PatchTSTUpdate, TokenBatchNorm
+from .rotary import RotaryQKNormAttention
 
 __all__ = [
     "Attention",
@@ -26,6 +27,7 @@ __all__ = [
     "PatchTSTUpdate",
     "QKNorm",
     "QKNormAttention",
+    "RotaryQKNormAttention",
     "ScaledBranch",
     "TokenBatchNorm",
 ]

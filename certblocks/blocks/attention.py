@@ -279,6 +279,10 @@ class _SelfAttention(nn.Module):
                 "bk": None if b is None else b[D:2 * D].reshape(H, hd),
                 "b_in": b, "wo_full": wo, "wv_full": w[2 * D:], "bv_full": None if b is None else b[2 * D:], "bo": bo}
 
+    def _in_proj_norm(self) -> float:
+        """``||W_qkv||``: bounds every query, key and value entry (the projection's peak)."""
+        return bounds.op_norm(self.in_proj.weight)
+
     def _norms(self, seq_len: Optional[int]) -> AttentionNorms:
         """The norms of the current weights (exact up to the bounds layer's margin; heads batched)."""
         hw = self._head_weights()
@@ -307,7 +311,7 @@ class _SelfAttention(nn.Module):
                    + 2.0 * self.head_dim * u * bounds.vec_norm(hw["wo_full"]) * bounds.vec_norm(hw["wv_full"]))
             concat = bounds.op_norm(blocks.permute(1, 0, 2).reshape(self.dim, -1)) + err
             c = min(math.fsum(value), math.sqrt(H) * concat)
-        common = dict(value=value, c=c, b=b, w_in=bounds.op_norm(self.in_proj.weight),
+        common = dict(value=value, c=c, b=b, w_in=self._in_proj_norm(),
                       b_in=bounds.vec_norm(hw["b_in"]), linear=seq_len == 1)
         if self.qk_norm is not None:
             return AttentionNorms(**common, wq=tuple(bounds.op_norms(hw["wq"])), wk=tuple(bounds.op_norms(hw["wk"])),

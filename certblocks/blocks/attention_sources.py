@@ -28,7 +28,7 @@ def qk_norm_kind(norm: nn.Module) -> Tuple[Optional[str], Optional[float]]:
     if isinstance(norm, nn.Identity):
         return None, None
     name = type(norm).__name__
-    eps = getattr(norm, "eps", None)
+    eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", None))  # HF RMSNorms: variance_epsilon
     weight = getattr(norm, "weight", None)
     if eps is None or not isinstance(weight, torch.Tensor):
         raise ValueError(f"unsupported QK-norm module {name}: need an affine RMSNorm or LayerNorm with eps")

@@ -17,6 +17,7 @@ import certblocks.testing as cbt
 from certblocks.blocks.attention import Attention, QKNormAttention
 from certblocks.blocks.mlp import MLP, GatedMLP
 from certblocks.blocks.patchtst import PatchTSTBlock
+from certblocks.blocks.rotary import RotaryQKNormAttention
 
 D, H, N, HID = 8, 2, 4, 12
 
@@ -59,6 +60,9 @@ CASES = {
     "qk-rms": lambda s: randomize(QKNormAttention(D, H), s),
     "qk-l2-bidir": lambda s: randomize(QKNormAttention(D, H, causal=False, qk_norm="l2"), s),
     "qk-layer-eps1e-2": lambda s: randomize(QKNormAttention(D, H, qk_norm="layer", qk_norm_eps=1e-2), s, 3.0),
+    "qk-rope-attn-gqa": lambda s: randomize(RotaryQKNormAttention(D, H, 1), s),
+    "qk-rope-attn-partial-scaled-bidir": lambda s: randomize(RotaryQKNormAttention(
+        D, H, 1, head_dim=8, partial_rotary_factor=0.5, rope_attention_scaling=1.3, bias=True, causal=False), s),
     "mlp-gelu": lambda s: randomize(MLP(D, HID), s),
     "mlp-gelu_tanh": lambda s: randomize(MLP(D, HID, "gelu_tanh"), s),
     "mlp-relu": lambda s: randomize(MLP(D, HID, "relu"), s),

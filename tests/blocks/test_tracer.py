@@ -9,6 +9,7 @@ import torch
 from certblocks.blocks.attention import Attention, QKNormAttention
 from certblocks.blocks.mlp import MLP, GatedMLP
 from certblocks.blocks.patchtst import PatchTSTBlock
+from certblocks.blocks.rotary import RotaryQKNormAttention
 
 trace = pytest.importorskip("certblocks.trace")
 from certblocks.trace.own import rules_only  # noqa: E402
@@ -20,6 +21,10 @@ BLOCKS = {
     "qknorm-rms": lambda: QKNormAttention(D, H),
     "qknorm-l2": lambda: QKNormAttention(D, H, qk_norm="l2", causal=False),
     "qknorm-layer": lambda: QKNormAttention(D, H, qk_norm="layer"),
+    "qknorm-nobias": lambda: QKNormAttention(D, H, bias=False),
+    "rope-gqa": lambda: RotaryQKNormAttention(D, H, 2),
+    "rope-mqa-partial-bias": lambda: RotaryQKNormAttention(D, H, 1, partial_rotary_factor=0.5, bias=True),
+    "rope-layer-scaled": lambda: RotaryQKNormAttention(D, H, 2, qk_norm="layer", rope_attention_scaling=1.5),
     "mlp": lambda: MLP(D, 32),
     "glu-sigmoid": lambda: GatedMLP(D, 24, bias=True),
     "glu-silu": lambda: GatedMLP(D, 24, gate="silu"),

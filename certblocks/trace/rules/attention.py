@@ -127,7 +127,9 @@ def _bias_axes(g: Any, n: torch.fx.Node, depth: int = 0) -> Optional[Tuple[torch
     out = g.env.get(n.name)
     if name == "aten.linear":
         b = (bind_args(n) or {}).get("bias")
-        return n, set() if isinstance(b, torch.fx.Node) and b.op == "placeholder" else None
+        if b is None:  # no bias: its image is 0, constant along every axis
+            return n, set()
+        return (n, set()) if isinstance(b, torch.fx.Node) and b.op == "placeholder" else None
     if name not in _ROW_MOVES or not n.args or not isinstance(n.args[0], torch.fx.Node):
         return None
     src = g.env.get(n.args[0].name)
