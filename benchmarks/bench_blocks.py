@@ -6,7 +6,9 @@ Rows (ratio = certblocks median / peer median; targets from issue 4):
 
 * ``QKNormAttention`` vs timm ``Attention(qk_norm=False)`` at B=4, T=256, dim 768, 12 heads
   (bidirectional, both with q/k/v and output biases; also a causal row), target <= 1.10;
-* ``GatedMLP(gate="sigmoid")`` vs timm ``SwiGLU(768, 2048)`` (both with biases), target <= 1.05.
+* ``GatedMLP(gate="sigmoid")`` vs timm ``SwiGLU(768, 2048)`` (both with biases), target <= 1.05;
+* ``RotaryQKNormAttention`` vs HF ``LlamaAttention`` (sdpa) at B=2, T=512, dim 768, 12 heads, 4 key/value heads,
+  causal, both given the same HF ``(cos, sin)`` (a model computes them once for all layers), target <= 1.10.
 
 Runs alternate between the block and its peer so that drift affects both; each timing is one
 forward plus one backward (parameter and input gradients).  Prints a table and writes JSON.
@@ -92,7 +94,32 @@ def main() -> None:
         ("GatedMLP(sigmoid, bias)", "timm SwiGLU(768, 2048)", GatedMLP(dim, hidden, bias=True), SwiGLU(dim, hidden),
          plain, plain, 1.05),
     ]
-    for name, peer_name, block, peer, call_a, call_b, target in cases:
+    cases = [(*c, x) for c in cases]
+    try:  # the Llama-family row needs transformers
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+    except ImportError:
+        print("transformers is not installed: no RotaryQKNormAttention row")
+    else:
+        from certblocks.blocks.rotary import RotaryQKNormAttention
+
+        cfg = LlamaConfig(hidden_size=dim, num_attention_heads=heads, num_key_value_heads=4, intermediate_size=hidden,
+                          num_hidden_layers=1)
+        cfg._attn_implementation = "sdpa"
+        llama = LlamaAttention(cfg, 0)
+        rotary = RotaryQKNormAttention.from_module(llama)
+        xl = torch.randn(2, 512, dim)
+        cos_sin = LlamaRotaryEmbedding(cfg)(xl, torch.arange(512)[None])
+
+        def ours(m, t):
+            return m(t, position_embeddings=cos_sin)
+
+        def hf(m, t):
+            return m(t, cos_sin, None)[0]
+
+        cases.append(("RotaryQKNormAttention (GQA 12/4, T=512)", "HF LlamaAttention (sdpa)", rotary, llama, ours, hf,
+                      1.10, xl))
+    for name, peer_name, block, peer, call_a, call_b, target, x in cases:
         times = _time_pair(block, peer, x, call_a, call_b, args.repeats, args.warmup)
         mb, mp = statistics.median(times["block"]), statistics.median(times["peer"])
         rows.append({"block": name, "peer": peer_name, "block_ms": 1e3 * mb, "peer_ms": 1e3 * mp, "ratio": mb / mp,
@@ -100,14 +127,14 @@ def main() -> None:
                      "block_times_ms": [1e3 * t for t in times["block"]],
                      "peer_times_ms": [1e3 * t for t in times["peer"]]})
 
-    header = f"{'block':34s} {'peer':42s} {'block ms':>9s} {'peer ms':>9s} {'ratio':>6s} {'target':>7s}"
+    header = f"{'block':40s} {'peer':42s} {'block ms':>9s} {'peer ms':>9s} {'ratio':>6s} {'target':>7s}"
     print(f"forward+backward, CPU, B={B}, T={T}, dim={dim}, heads={heads}, hidden={hidden}, "
           f"threads={torch.get_num_threads()}, median of {args.repeats}")
     print(header)
     print("-" * len(header))
     for r in rows:
         ok = "ok" if r["meets_target"] else "MISS"
-        print(f"{r['block']:34s} {r['peer']:42s} {r['block_ms']:9.1f} {r['peer_ms']:9.1f} {r['ratio']:6.3f} "
+        print(f"{r['block']:40s} {r['peer']:42s} {r['block_ms']:9.1f} {r['peer_ms']:9.1f} {r['ratio']:6.3f} "
               f"<={r['target']:.2f} {ok}")
 
     args.out.mkdir(parents=True, exist_ok=True)

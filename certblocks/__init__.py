@@ -29,6 +29,8 @@ _LAZY: Dict[str, str] = {
     "certify_stack": "certblocks.certificate",
     "Exponents": "certblocks.exponents",
     "ConversionReport": "certblocks.conversion",
+    "ConversionError": "certblocks.conversion",
+    "ConversionWarning": "certblocks.conversion",
     "convert": "certblocks.conversion",
     "EnforceReport": "certblocks.enforcement",
     "enforce": "certblocks.enforcement",
@@ -69,7 +71,7 @@ if TYPE_CHECKING:  # what static checkers and IDEs see; nothing is imported at r
     )
     from .budget import float_max, jacobian_budget
     from .certificate import BlockCertificate, Depths, Failure, Peak, StackCertificate, certify_stack
-    from .conversion import ConversionReport, convert
+    from .conversion import ConversionError, ConversionReport, ConversionWarning, convert
     from .enforcement import EnforceReport, enforce, unenforce
     from .exponents import Exponents
     from .monitor import CertificateMonitor, CertificateWarning
@@ -111,6 +113,8 @@ __all__ = [
     "unenforce",
     "EnforceReport",
     "ConversionReport",
+    "ConversionError",
+    "ConversionWarning",
     "register_atom",
     "BlockCertificate",
     "CertificationError",

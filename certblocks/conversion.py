@@ -1,43 +1,65 @@
-"""``convert``: swap certified blocks into an existing backbone.
+"""``convert``: swap certified blocks into an existing backbone, and say what the swap does to its certificate.
 
 ``convert(model)`` walks the model and replaces the modules it recognizes, copying their weights:
 
 * ``mamba_ssm.Mamba``, HF ``MambaMixer``, certblocks ``Mamba`` -> :class:`~certblocks.blocks.mamba.LinearGrowthMamba`:
   (5, 5) -> (1, 1);
-* timm ``Attention``, nanoGPT ``CausalSelfAttention``, HF ``GPT2Attention`` ->
+* timm ``Attention``, nanoGPT ``CausalSelfAttention``, HF ``GPT2Attention``, certblocks ``Attention`` ->
   :class:`~certblocks.blocks.attention.QKNormAttention` (RMS QK-norm, scales 1): (1, 2) -> (1, 1);
-* SwiGLU-style MLPs (timm ``SwiGLU`` / ``SwiGLUPacked`` / ``GluMlp``, LLaMA-style ``gate_proj``,
-  ``up_proj``, ``down_proj``) -> :class:`~certblocks.blocks.mlp.GatedMLP` with a sigmoid gate: (2, 1) -> (1, 1);
+* the HF Llama family's attention (:data:`ROTARY_ATTENTIONS`: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma) ->
+  :class:`~certblocks.RotaryQKNormAttention` (RoPE, grouped-query heads, QK-norm; Qwen3's own QK-norm is
+  copied): (1, 2) -> (1, 1);
+* gated MLPs whose gate grows (timm ``SwiGLU`` / ``SwiGLUPacked`` / ``GluMlp``, LLaMA-style ``gate_proj``,
+  ``up_proj``, ``down_proj`` with SiLU or GELU, Phi-3's ``gate_up_proj``) -> :class:`~certblocks.blocks.mlp.GatedMLP`
+  with a sigmoid gate: (2, 1) -> (1, 1);
 * with ``remove_norms=True``: the LayerNorm / RMSNorm of a residual branch (``norm1``, ``norm2``, ``ln_1``,
-  ``ln_2``, a Mamba block's ``norm``, ...; a norm whose parent also holds an attention, MLP or mixer) ->
-  :class:`IdentityNorm` (an ``nn.Identity``): the normalization (0, 0) is removed.
+  ``ln_2``, ``input_layernorm``, a Mamba block's ``norm``, ...; a norm whose parent also holds an attention, MLP
+  or mixer) -> :class:`IdentityNorm` (an ``nn.Identity``): the normalization (0, 0) is removed.  A branch left
+  without its norm must be at most (1, 1): an attention or mixer that is not swapped (excluded by ``filter_fn``,
+  or one certblocks has no replacement for, such as Gemma-2's soft-capped attention) is refused with
+  :class:`ConversionError` naming it, before anything is lost.
 
-The replacements keep the source's device, dtype and train/eval mode.  HF and timm callers pass
-extra arguments (``cache``, ``attention_mask``, ``is_causal``); the swapped modules are thin
-subclasses that accept them.  They do not use HF's KV or SSM cache: ``convert`` sets an HF model's
-``config.use_cache`` to False (listed in ``report.notes``; ``revert`` restores it).  The swaps
-change the function (QK-norm, sigmoid gate, linear-growth scan):
-the weights are the source's, the model needs fine-tuning.
+The replacements keep the source's device, dtype and train/eval mode.  HF and timm callers pass extra arguments
+(``cache``, ``attention_mask``, ``position_embeddings``, ``is_causal``); the swapped modules are thin subclasses
+(:mod:`certblocks._adapters`) that accept them.  A converted Llama-family model keeps HF's KV cache (``generate``
+runs cached and gives what recomputing gives); the converted GPT-2 attention and Mamba mixers do not read HF's
+cache, and ``convert`` sets such a model's ``config.use_cache`` to False (listed in ``report.notes``; ``revert``
+restores it).  The swaps change the function (QK-norm, sigmoid gate, linear-growth scan): the weights are the
+source's, the model needs fine-tuning.
 
-The returned :class:`ConversionReport` lists every swap (module path, exponents before and after),
-the model's certificate before and after when an ``example_input`` is given (derived by the
-tracer, :func:`certblocks.trace.certify`; when the tracer cannot capture the model, the report
-says so in ``trace_error_before`` / ``trace_error_after``), and offers :meth:`ConversionReport.revert`.
+**A conversion never weakens a model silently.**  With an ``example_input`` the tracer
+(:func:`certblocks.trace.certify`) certifies the model before and after, and the :class:`ConversionReport` holds the
+certified depth in each of ``dtypes`` before and after (:attr:`ConversionReport.depths`,
+:meth:`ConversionReport.table`).
+A swap can lower it: QK-norm bounds the logits but its Jacobian coefficient grows like ``1/sqrt(qk_norm_eps)``, so
+at small radii it can exceed the plain attention's.  Then ``convert`` warns (:class:`ConversionWarning`) with the
+update that consumes the budget, its culprit and the computed fixes that certify again the depth certified before
+(``qk_norm_eps``, ``dt``, a wider dtype: :mod:`certblocks.fixes`), or refuses with ``strict=True``.
+:meth:`ConversionReport.revert` puts the original modules back.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import math
+import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from .certificate import StackCertificate
+from ._format import fmt_num
+from .certificate import BlockCertificate, StackCertificate
 from .exponents import NORM, Exponents
+from .fixes import Fix, Lever, compute_fixes, recertify
 
-__all__ = ["convert", "ConversionReport", "Swap", "IdentityNorm"]
+__all__ = ["convert", "ConversionReport", "ConversionError", "ConversionWarning", "DepthChange", "Swap",
+           "IdentityNorm", "REPORT_DTYPES", "ROTARY_ATTENTIONS"]
+
+#: The dtypes of a report's before/after depths, by default.
+REPORT_DTYPES = ("fp16", "bf16", "fp32")
 
 _RESIDUAL_NORM_NAMES = ("norm", "norm1", "norm2", "ln_1", "ln_2", "input_layernorm", "post_attention_layernorm",
                         "pre_norm", "attn_norm", "mlp_norm", "ffn_norm", "norm_attn", "norm_ffn")
@@ -66,6 +88,50 @@ class Swap:
         return f"{self.path}: {self.before} {self.exponents_before} -> {self.after} {self.exponents_after}"
 
 
+class ConversionWarning(UserWarning):
+    """A conversion lowered the model's certified depth in some dtype (the message has the table and the fixes)."""
+
+
+class ConversionError(ValueError):
+    """:func:`convert` refused: a swap lowers the certified depth (``strict=True``), or ``remove_norms=True`` would
+    leave a residual branch above (1, 1).  The model is left as it was."""
+
+
+@dataclass(frozen=True)
+class DepthChange:
+    """The certified depth of a model in one dtype before and after :func:`convert` (traced).
+
+    Attributes:
+        dtype: the dtype.
+        before, after: the certified residual updates.
+        depth_before, depth_after: the residual updates (the same unless a swap changed the structure).
+        reason: when the depth drops, the update whose log factor grew most, with its culprit.
+        fixes: when the depth drops, the value of each lever that certifies again the updates certified before
+            (each certified again: :func:`certblocks.fixes.compute_fixes`).
+    """
+
+    dtype: str
+    before: int
+    after: int
+    depth_before: int
+    depth_after: int
+    reason: str = ""
+    fixes: Tuple[Fix, ...] = ()
+
+    @property
+    def lowered(self) -> bool:
+        """The conversion certifies fewer updates than before."""
+        return self.after < self.before
+
+    def __str__(self) -> str:
+        why = f" ({self.reason})" if self.reason else ""
+        return f"{self.dtype} {self.before}/{self.depth_before} -> {self.after}/{self.depth_after}{why}"
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"dtype": self.dtype, "before": self.before, "after": self.after, "depth_before": self.depth_before,
+                "depth_after": self.depth_after, "reason": self.reason, "fixes": [f.to_dict() for f in self.fixes]}
+
+
 @dataclass
 class ConversionReport:
     """What :func:`convert` did.
@@ -78,6 +144,8 @@ class ConversionReport:
         trace_error_before, trace_error_after: why a certificate is missing (empty when present).
         dtype: the dtype of the certificates.
         notes: other changes made to the model (e.g. an HF ``config.use_cache`` set to False).
+        depths: the certified depth per dtype before and after (:class:`DepthChange`; empty without both
+            certificates).
     """
 
     model: nn.Module
@@ -88,7 +156,28 @@ class ConversionReport:
     trace_error_after: str = ""
     dtype: str = "bf16"
     notes: List[str] = field(default_factory=list)
+    depths: List[DepthChange] = field(default_factory=list)
     _undo: List[Tuple[Any, str, Any]] = field(default_factory=list, repr=False)
+
+    @property
+    def lowered(self) -> List[DepthChange]:
+        """The dtypes in which the conversion certifies fewer updates than before."""
+        return [d for d in self.depths if d.lowered]
+
+    def table(self, *, markdown: bool = False) -> str:
+        """Certified depth per dtype before and after, and for a drop its reason and fixes."""
+        from .cli.formatting import render_table
+
+        if not self.depths:
+            why = self.trace_error_before or self.trace_error_after or "no example_input given"
+            return f"certified depths not available: {why.splitlines()[0]}"
+        rows = []
+        for d in self.depths:
+            note = "" if not d.lowered else d.reason + (
+                ("; fixes: " + ", ".join(f.text for f in d.fixes)) if d.fixes else "")
+            rows.append([d.dtype, f"{d.before}/{d.depth_before}", f"{d.after}/{d.depth_after}",
+                         f"{d.after - d.before:+d}", note])
+        return render_table(["dtype", "before", "after", "change", "reason and fix"], rows, markdown=markdown)
 
     @property
     def max_q_after(self) -> Optional[float]:
@@ -107,6 +196,7 @@ class ConversionReport:
         self._undo.clear()
         self.swaps = []
         self.notes = []
+        self.depths = []
         return self.model
 
     def explain(self) -> str:
@@ -117,6 +207,8 @@ class ConversionReport:
                                ("after", self.certificate_after, self.trace_error_after)):
             out.append(f"certificate {tag}:")
             out.append(cert.explain() if cert is not None else f"  not available: {err}")
+        if self.depths:
+            out += ["certified depth before and after:", self.table()]
         return "\n".join(out)
 
     def __str__(self) -> str:
@@ -138,6 +230,11 @@ def _max_q(cert: Optional[StackCertificate]) -> Optional[float]:
 
 
 # ---------------------------------------------------------------------------------------------- recognizers
+#: HF attentions of the Llama family that :class:`~certblocks.RotaryQKNormAttention` replaces.
+ROTARY_ATTENTIONS = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention", "Phi3Attention",
+                     "GemmaAttention")
+
+
 def _is_mamba(m: nn.Module) -> bool:
     name = type(m).__name__
     mod = type(m).__module__
@@ -148,12 +245,18 @@ def _is_mamba(m: nn.Module) -> bool:
     return False
 
 
+def _is_rotary_attention(m: nn.Module) -> bool:
+    return type(m).__name__ in ROTARY_ATTENTIONS and type(m).__module__.startswith("transformers")
+
+
 def _is_attention(m: nn.Module) -> bool:
     from .blocks.attention import QKNormAttention
 
     if isinstance(m, QKNormAttention):
         return False
     name = type(m).__name__
+    if _is_rotary_attention(m):
+        return True
     if hasattr(m, "c_attn") and hasattr(m, "c_proj"):
         if name == "GPT2Attention" and getattr(m, "is_cross_attention", False):
             return False
@@ -163,94 +266,67 @@ def _is_attention(m: nn.Module) -> bool:
     return False
 
 
-def _is_swiglu(m: nn.Module) -> bool:
+def _act_is(act: Optional[nn.Module], keys: Tuple[str, ...]) -> bool:
+    return act is None or any(k in type(act).__name__.lower() for k in keys)
+
+
+def _is_glu(m: nn.Module) -> bool:
+    """A gated MLP whose gate grows (SiLU: SwiGLU; GELU: Gemma's GeGLU): q = 2."""
     from .blocks.mlp import GatedMLP
 
     if isinstance(m, GatedMLP):
         return m.gate == "silu"
     name = type(m).__name__
     if hasattr(m, "gate_proj") and hasattr(m, "up_proj") and hasattr(m, "down_proj"):
-        act = getattr(m, "act_fn", None)
-        return act is None or any(k in type(act).__name__.lower() for k in ("silu", "swish"))
+        return _act_is(getattr(m, "act_fn", None), ("silu", "swish", "gelu"))
+    if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj") and type(m).__module__.startswith("transformers"):
+        return _act_is(getattr(m, "activation_fn", None), ("silu", "swish", "gelu"))  # Phi-3
     if name in ("SwiGLU", "SwiGLUPacked", "GluMlp") and type(m).__module__.startswith("timm"):
         act = getattr(m, "act", None)
         return act is None or type(act).__name__ in ("SiLU", "Swish")
     return False
 
 
+def _is_norm(child: nn.Module) -> bool:
+    name = type(child).__name__
+    return isinstance(child, (nn.LayerNorm, nn.RMSNorm)) or name.endswith(("LayerNorm", "RMSNorm", "RmsNorm",
+                                                                             "LayerNorm2d"))
+
+
 def _residual_norm(parent: nn.Module, name: str, child: nn.Module) -> bool:
-    norm_types: Tuple[type, ...] = (nn.LayerNorm, nn.RMSNorm)
-    is_norm = isinstance(child, norm_types) or type(child).__name__ in (
-        "LayerNorm", "RMSNorm", "RmsNorm", "MambaRMSNorm", "LlamaRMSNorm", "LayerNorm2d")
-    if not is_norm or name not in _RESIDUAL_NORM_NAMES:
+    if not _is_norm(child) or name not in _RESIDUAL_NORM_NAMES:
         return False
     return any(hasattr(parent, b) for b in _BRANCH_NAMES)
 
 
 # ---------------------------------------------------------------------------------------------- adapters
-def _attention_adapter(src: nn.Module) -> nn.Module:
+def _attention_adapter(src: nn.Module, rope_scaling: float) -> nn.Module:
+    from . import _adapters
     from .blocks.attention import QKNormAttention
 
-    name = type(src).__name__
-    if name == "GPT2Attention":
-        return _HFGPT2QKNormAttention.from_module(src)
+    if _is_rotary_attention(src):
+        return _adapters.HFRotaryQKNormAttention.from_module(src, rope_attention_scaling=rope_scaling)
+    if type(src).__name__ == "GPT2Attention":
+        return _adapters.HFGPT2QKNormAttention.from_module(src)
     if hasattr(src, "qkv"):
-        return _TimmQKNormAttention.from_module(src)
+        return _adapters.TimmQKNormAttention.from_module(src)
     return QKNormAttention.from_module(src)
 
 
 def _mamba_adapter(src: nn.Module) -> nn.Module:
+    from . import _adapters
     from .blocks.mamba import LinearGrowthMamba
 
     if type(src).__name__ == "MambaMixer":
-        blk = _HFLinearGrowthMamba.from_module(src)
-        return blk
+        return _adapters.HFLinearGrowthMamba.from_module(src)
     return LinearGrowthMamba.from_module(src)
 
 
-from .blocks.attention import QKNormAttention as _QKA  # noqa: E402  (cheap: no optional dependency)
-from .blocks.mamba import LinearGrowthMamba as _LGM  # noqa: E402
-
-
-class _TimmQKNormAttention(_QKA):
-    """:class:`QKNormAttention` called like timm's ``Attention`` (``attn_mask``, ``is_causal``)."""
-
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,  # type: ignore[override]
-                is_causal: bool = False, **kwargs: Any) -> torch.Tensor:
-        if is_causal:
-            raise ValueError("the converted attention is bidirectional (timm ViT); is_causal=True is not supported")
-        return super().forward(x, attn_mask=attn_mask)
-
-
-class _HFGPT2QKNormAttention(_QKA):
-    """:class:`QKNormAttention` called like HF ``GPT2Attention``: returns ``(output, None)``."""
-
-    def forward(self, hidden_states: torch.Tensor, cache: Any = None,  # type: ignore[override]
-                attention_mask: Optional[torch.Tensor] = None, encoder_hidden_states: Any = None,
-                output_attentions: bool = False, **kwargs: Any) -> Tuple[torch.Tensor, None]:
-        if cache is not None or kwargs.get("past_key_values") is not None:
-            raise ValueError("past_key_values/cache: a converted GPT-2 attention does not use HF's KV cache; "
-                             "call the model with use_cache=False")
-        if encoder_hidden_states is not None:
-            raise ValueError("encoder_hidden_states: cross-attention is not converted; only self-attention is")
-        mask = attention_mask
-        if mask is not None and mask.ndim == 4 and mask.shape[-2] != hidden_states.shape[1]:
-            mask = None
-        return super().forward(hidden_states, attn_mask=mask), None
-
-
-class _HFLinearGrowthMamba(_LGM):
-    """:class:`LinearGrowthMamba` called like HF ``MambaMixer`` (``cache``, ``attention_mask``)."""
-
-    def forward(self, hidden_states: torch.Tensor, cache: Any = None,  # type: ignore[override]
-                attention_mask: Optional[torch.Tensor] = None, **kwargs: Any) -> torch.Tensor:
-        if cache is not None or kwargs.get("cache_params") is not None:
-            raise ValueError("cache_params: a converted MambaMixer does not use HF's cache; call the model with "
-                             "use_cache=False")
-        mask = attention_mask
-        if mask is not None and mask.ndim == 2 and mask.shape[1] == hidden_states.shape[1]:
-            hidden_states = hidden_states * mask[:, :, None].to(hidden_states.dtype)
-        return super().forward(hidden_states)
+def _rope_scaling(model: nn.Module) -> float:
+    """The largest ``attention_scaling`` of an HF rotary embedding in ``model`` (1 when there is none)."""
+    found = [float(m.attention_scaling) for m in model.modules()
+             if type(m).__name__.endswith("RotaryEmbedding") and hasattr(m, "attention_scaling")]
+    return max(found, default=1.0)
 
 
 class IdentityNorm(nn.Identity):
@@ -275,12 +351,12 @@ def _exps_before(m: nn.Module, kind: str) -> Exponents:
         return QK_NORM_ATTENTION if qn is not None and not isinstance(qn, nn.Identity) else ATTENTION
     if kind == "mamba":
         return MAMBA_SSM
-    if kind == "swiglu":
+    if kind == "glu":
         return Exponents(2, 1)
     return NORM
 
 
-# ---------------------------------------------------------------------------------------------- convert
+# ---------------------------------------------------------------------------------------------- checks
 def _trace(model: nn.Module, example_input: Any, dtype: str, r0: float) -> Tuple[Optional[StackCertificate], str]:
     from .trace import ModelCertificate, certify
 
@@ -297,20 +373,101 @@ def _trace(model: nn.Module, example_input: Any, dtype: str, r0: float) -> Tuple
         model.train(was)
 
 
+def _own_module(model: nn.Module, u: BlockCertificate) -> Optional[nn.Module]:
+    """The certified module whose own certificate the traced update ``u`` is (same exponents and coefficients),
+    or ``None`` (an update that also holds a norm, a gain or other ops: a block lever does not apply to it)."""
+    try:
+        mod = model.get_submodule(u.name) if u.name else None
+    except AttributeError:
+        return None
+    if mod is None or not callable(getattr(mod, "certificate", None)):
+        return None
+    try:
+        own = mod.certificate()
+    except Exception:  # a block whose certificate needs arguments the trace had (seq_len): not matched
+        return None
+    same = all(math.isclose(getattr(own, f), getattr(u, f), rel_tol=1e-9, abs_tol=1e-300)
+               for f in ("c", "b", "l1", "l0"))
+    return mod if same and own.exponents == u.exponents else None
+
+
+def _depth_change(before: StackCertificate, after: StackCertificate, model: nn.Module) -> DepthChange:
+    """Before and after in one dtype; when the depth drops, the update that consumes more and the fixes."""
+    change = DepthChange(before.dtype, before.certified_depth, after.certified_depth, before.depth, after.depth)
+    if not change.lowered:
+        return change
+    grown = [(a_lf - before.log_factors[k], u) for k, (u, a_lf) in enumerate(zip(after.updates, after.log_factors))
+             if k < len(before.log_factors) and before.updates[k].name == u.name and u.is_update]
+    reason = ""
+    if grown:
+        delta, u = max(grown, key=lambda t: t[0])
+        if delta > 0:
+            culprit = ""
+            try:  # the block's own culprit and the first clause of its fix (the module named like the update)
+                mod = model.get_submodule(u.name)
+                if callable(getattr(mod, "certificate", None)):
+                    own = mod.certificate()
+                    culprit = own.culprit + (f" ({own.fix.split(':')[0]})" if own.fix else "")
+            except Exception:  # not a module, or a certificate that needs arguments: the traced culprit
+                pass
+            reason = f"{u.name}: log factor +{fmt_num(delta)} nats; {culprit or u.culprit or u.exponents}"
+    # the levers' values that certify the updates certified before (the converted chain cut there); a block lever
+    # only for an update that is exactly that block
+    ends = [k for k, u in enumerate(after.updates) if u.is_update]
+    want = before.certified_depth
+    cut = after if want >= len(ends) or want == 0 else recertify(after, after.updates[: ends[want - 1] + 1])
+    levers: Dict[int, List[Lever]] = {}
+    for k, u in enumerate(cut.updates):
+        mod = _own_module(model, u) if u.is_update else None
+        if mod is not None and callable(getattr(mod, "levers", None)):
+            levers[k] = list(mod.levers())
+    fixes = tuple(f for f in compute_fixes(cut, levers=levers) if f.lever != "depth")
+    return dataclasses.replace(change, reason=reason, fixes=fixes)
+
+
+def _left_above(target: nn.Module, plan: Sequence[Tuple[nn.Module, str, str, nn.Module, str]]) -> List[str]:
+    """The residual branches whose norm :func:`convert` removed and that stay above (1, 1): ``"path (why)"``."""
+    out = []
+    parents = dict.fromkeys(path.rpartition(".")[0] for _, _, path, _, kind in plan if kind == "norm")
+    for pp in parents:
+        parent = target.get_submodule(pp)
+        for b in _BRANCH_NAMES:
+            child = getattr(parent, b, None)
+            if not isinstance(child, nn.Module):
+                continue
+            path, cls = f"{pp}.{b}" if pp else b, type(child).__name__
+            ex = getattr(child, "exponents", None)
+            if isinstance(ex, Exponents) and ex.q is not None and ex.sigma is not None:
+                if ex.q > 1 or ex.sigma > 1:
+                    out.append(f"{path} ({cls}, {ex})")
+            elif _is_attention(child) or _is_mamba(child) or _is_glu(child):
+                out.append(f"{path} ({cls}: excluded by filter_fn)")
+            elif any(k in cls.lower() for k in ("attention", "mixer", "ssm", "glu")):
+                out.append(f"{path} ({cls}: certblocks has no certified replacement for it)")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- convert
 def convert(model: nn.Module, *, filter_fn: Optional[Callable[[str, nn.Module], bool]] = None,
             remove_norms: bool = False, inplace: bool = False, example_input: Any = None, dtype: str = "bf16",
-            r0: float = 1.0) -> ConversionReport:
+            r0: float = 1.0, dtypes: Sequence[str] = REPORT_DTYPES, strict: bool = False) -> ConversionReport:
     """Swap the modules of ``model`` that certblocks knows for their certified replacements.
 
     Args:
         model: any ``nn.Module``.
         filter_fn: ``filter_fn(path, module) -> bool``; only modules for which it returns True are swapped.
-        remove_norms: also replace the LayerNorm / RMSNorm on residual branches by ``nn.Identity``.
+        remove_norms: also replace the LayerNorm / RMSNorm on residual branches by ``nn.Identity``.  A branch
+            whose norm is removed must then be at most (1, 1): a known module is swapped, and an attention or
+            mixer left as it is (excluded by ``filter_fn``, or one certblocks cannot convert) is refused with
+            :class:`ConversionError` naming it, as is (with ``example_input``) any traced update above (1, 1).
         inplace: modify ``model`` itself (default: a deep copy is converted and ``model`` is untouched).
         example_input: an input for ``model`` (tensor, tuple or dict); when given, the tracer derives the
-            model's certificate before and after the conversion.
-        dtype: the dtype of those certificates.
+            model's certificate before and after the conversion, and the certified depths per dtype.
+        dtype: the dtype of :attr:`ConversionReport.certificate_before` / ``_after``.
         r0: the input radius of those certificates.
+        dtypes: the dtypes of the before/after depths (:attr:`ConversionReport.depths`).
+        strict: raise :class:`ConversionError` (and leave ``model`` as it was) when a swap lowers the certified
+            depth in one of ``dtypes``; by default a :class:`ConversionWarning` says so.
 
     Returns:
         A :class:`ConversionReport`; ``report.model`` is the converted model.
@@ -319,12 +476,15 @@ def convert(model: nn.Module, *, filter_fn: Optional[Callable[[str, nn.Module], 
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if filter_fn is not None and not callable(filter_fn):
         raise TypeError(f"filter_fn must be callable(path, module) -> bool, got {type(filter_fn).__name__}")
-    for name, flag in (("remove_norms", remove_norms), ("inplace", inplace)):
+    for name, flag in (("remove_norms", remove_norms), ("inplace", inplace), ("strict", strict)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
     from .budget import dtype_name
 
     dtype = dtype_name(dtype)
+    if isinstance(dtypes, str):
+        raise TypeError(f"dtypes must be a sequence of dtype names, got the string {dtypes!r}")
+    table_dtypes = list(dict.fromkeys([dtype_name(d) for d in dtypes] + [dtype]))
     target = model if inplace else copy.deepcopy(model)
     report = ConversionReport(target, dtype=dtype)
     if example_input is not None:
@@ -338,7 +498,7 @@ def convert(model: nn.Module, *, filter_fn: Optional[Callable[[str, nn.Module], 
         if any(path.startswith(p + ".") for p in skip_under):
             continue
         kind = ("mamba" if _is_mamba(mod) else "attention" if _is_attention(mod) else
-                "swiglu" if _is_swiglu(mod) else "")
+                "glu" if _is_glu(mod) else "")
         if kind and path and (filter_fn is None or filter_fn(path, mod)):
             parent_path, _, attr = path.rpartition(".")
             plan.append((target.get_submodule(parent_path), attr, path, mod, kind))
@@ -354,12 +514,13 @@ def convert(model: nn.Module, *, filter_fn: Optional[Callable[[str, nn.Module], 
 
     order = {p: i for i, (p, _) in enumerate(target.named_modules(remove_duplicate=False))}
     plan.sort(key=lambda t: order.get(t[2], len(order)))
+    rope_scaling = _rope_scaling(target)
     for parent, attr, path, mod, kind in plan:
         if kind == "attention":
-            new = _attention_adapter(mod)
+            new = _attention_adapter(mod, rope_scaling)
         elif kind == "mamba":
             new = _mamba_adapter(mod)
-        elif kind == "swiglu":
+        elif kind == "glu":
             new = GatedMLP.from_module(mod, gate="sigmoid")
         else:
             new = IdentityNorm(mod)
@@ -367,25 +528,48 @@ def convert(model: nn.Module, *, filter_fn: Optional[Callable[[str, nn.Module], 
         after = Exponents(1, 0) if kind == "norm" else new.exponents
         setattr(parent, attr, new)
         report._undo.append((parent, attr, mod))
-        public = next(c for c in type(new).__mro__ if not c.__name__.startswith("_"))  # the block, not the adapter
+        public = next(c for c in type(new).__mro__ if not c.__name__.startswith(("_", "HF", "Timm")))
         after_name = "Identity" if kind == "norm" else public.__name__
         report.swaps.append(Swap(path, type(mod).__name__, after_name, _exps_before(mod, kind), after))
 
-    hf_swaps = [p for p in plan if isinstance(p[3], nn.Module) and type(p[3]).__module__.startswith("transformers")
-                and p[4] in ("attention", "mamba")]
-    config = getattr(target, "config", None)
-    if hf_swaps and config is not None and getattr(config, "use_cache", False):
-        # the swapped mixers do not read HF's KV/SSM cache: run without one (generate() stays correct, uncached)
-        report._undo.append((config, "use_cache", config.use_cache))
-        config.use_cache = False
-        report.notes.append("config.use_cache set to False: the converted attention/mixers do not use HF's cache")
-    gen_config = getattr(target, "generation_config", None)
-    if hf_swaps and gen_config is not None and getattr(gen_config, "use_cache", False):
-        report._undo.append((gen_config, "use_cache", gen_config.use_cache))
-        gen_config.use_cache = False
-        report.notes.append("generation_config.use_cache set to False (generate() recomputes, uncached)")
-    if example_input is not None:
-        report.certificate_after, report.trace_error_after = _trace(target, example_input, dtype, r0)
-    else:
+    def refuse(msg: str) -> None:
+        if inplace:
+            report.revert()
+        raise ConversionError(msg)
+
+    if remove_norms:
+        left = _left_above(target, plan)
+        if left:
+            refuse("remove_norms=True would leave residual branches above (1, 1) without their norm: "
+                   + "; ".join(left) + ". Convert them (or keep their norms: filter_fn, remove_norms=False)")
+
+    # the swapped attentions and mixers that do not read HF's cache: run HF models without one
+    uncached = [p for p in plan if type(p[3]).__module__.startswith("transformers") and p[4] in ("attention", "mamba")
+                and not _is_rotary_attention(p[3])]
+    for owner, what in ((getattr(target, "config", None), "config"),
+                        (getattr(target, "generation_config", None), "generation_config")):
+        if uncached and owner is not None and getattr(owner, "use_cache", False):
+            report._undo.append((owner, "use_cache", owner.use_cache))
+            owner.use_cache = False
+            report.notes.append(f"{what}.use_cache set to False: the converted GPT-2 attention / Mamba mixers do not "
+                                "use HF's cache (generate() recomputes, uncached)")
+    if example_input is None:
         report.trace_error_after = "no example_input given"
+        return report
+    report.certificate_after, report.trace_error_after = _trace(target, example_input, dtype, r0)
+    before, after_cert = report.certificate_before, report.certificate_after
+    if remove_norms and after_cert is not None:
+        above = [f"{u.name} (traced {u.exponents})" for u in after_cert.updates if u.is_update and u.q is not None
+                 and u.sigma is not None and (u.q > 1 or u.sigma > 1)]
+        if above:
+            refuse("remove_norms=True left residual updates above (1, 1): " + "; ".join(above))
+    if before is not None and after_cert is not None:
+        report.depths = [_depth_change(before.in_dtype(d), after_cert.in_dtype(d), target) for d in table_dtypes]
+        lowered = [d for d in report.depths if d.lowered]
+        if lowered:
+            msg = ("the conversion lowers the certified depth: " + "; ".join(str(d) for d in lowered)
+                   + "\n" + report.table())
+            if strict:
+                refuse(msg)
+            warnings.warn(msg, ConversionWarning, stacklevel=2)
     return report

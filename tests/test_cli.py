@@ -141,6 +141,19 @@ def test_convert_layers_must_be_at_least_1(capsys, value, got):
     assert_one_line_error(err, "convert", f"argument --layers: must be an integer >= 1, got {got} (see")
 
 
+def test_convert_llama_prints_depths_before_and_after(capsys):
+    pytest.importorskip("transformers")
+    code, out, _ = run(capsys, "convert", "hf:llama", "--layers", "2", "--remove-norms", "--dtype", "bf16,fp16")
+    assert code == 0, out
+    assert "model.layers.0.self_attn: LlamaAttention (q=1, sigma=2) -> RotaryQKNormAttention (q=1, sigma=1)" in out
+    lines = {ln.split()[0]: ln.split() for ln in out.splitlines() if ln.split()[:1] in (["bf16"], ["fp16"])}
+    assert set(lines) == {"bf16", "fp16"}
+    for cells in lines.values():  # dtype, before, after, change: the change is after - before
+        (b, nb), (a, na) = (map(int, c.split("/")) for c in cells[1:3])
+        assert nb == na == 4 and int(cells[3]) == a - b
+    assert "largest q of a residual update: before 0, after 1" in out
+
+
 def test_convert_unknown_form_is_one_line(capsys):
     code, _, err = run(capsys, "convert", "resnet50")
     assert code == 2

@@ -1,4 +1,4 @@
-"""Reading the attention modules the certified blocks replace: nanoGPT, HF GPT-2 and timm.
+"""Reading the attention modules the certified blocks replace: nanoGPT, HF GPT-2, timm and certblocks' ``Attention``.
 
 :func:`read_source` recognizes a source module and returns its kind, the block constructor's configuration and a
 state dict in the block's names (HF's transposed ``Conv1D`` weights transposed back), so that
@@ -45,6 +45,16 @@ def read_source(src: nn.Module) -> Tuple[str, Dict[str, Any], Dict[str, torch.Te
     """Recognize a source attention module; return its kind, constructor config and a state dict in block names."""
     if not isinstance(src, nn.Module):
         raise TypeError(f"src must be an nn.Module, got {type(src).__name__}")
+    from .attention import _SelfAttention
+
+    if isinstance(src, _SelfAttention):  # certblocks' own Attention (QKNormAttention.from_module adds the norms)
+        cfg = dict(dim=src.dim, num_heads=src.num_heads, causal=src.causal, qkv_bias=src.in_proj.bias is not None,
+                   proj_bias=src.out_proj.bias is not None, attn_dropout=src.attn_dropout.p,
+                   resid_dropout=src.resid_dropout.p, scale=src.scale, naming=src.naming, qk_norm=src.qk_norm,
+                   device=src.in_proj.weight.device, dtype=src.in_proj.weight.dtype)
+        if src.qk_norm is not None:
+            cfg["qk_norm_eps"] = src.q_norm.eps
+        return "certblocks", cfg, {k: v.detach().clone() for k, v in src.state_dict().items()}
     if hasattr(src, "c_attn") and hasattr(src, "c_proj"):
         w_in, w_out = src.c_attn.weight, src.c_proj.weight
         is_hf = type(src.c_attn).__name__ == "Conv1D" and hasattr(src.c_attn, "nf")

@@ -399,9 +399,11 @@ class GatedMLP(nn.Module):
             src: the module to replace.  Recognized layouts: timm ``SwiGLU`` (``fc1_g``, ``fc1_x``, ``fc2``),
                 timm ``GluMlp`` / ``SwiGLUPacked`` (fused ``fc1``, ``gate_last``), a Toto-style module with fused
                 ``fc1`` (value half first, gate half last) and ``fc2`` plus an ``act`` module (SiLU when absent),
-                and LLaMA-style ``gate_proj``, ``up_proj``, ``down_proj`` with ``act_fn``.
-            gate: ``None`` keeps the source's gate activation (the block then computes the same function);
-                ``"sigmoid"`` swaps SiLU for the certified sigmoid gate, same weights (the function changes).
+                LLaMA-style ``gate_proj``, ``up_proj``, ``down_proj`` with ``act_fn`` (Gemma's GELU gate too) and
+                Phi-3's fused ``gate_up_proj`` (gate half first), ``down_proj``.
+            gate: ``None`` keeps the source's gate activation (the block then computes the same function; SiLU or
+                sigmoid only); ``"sigmoid"`` swaps the source's gate (SiLU, GELU) for the certified sigmoid gate,
+                same weights (the function changes).
             overrides: other constructor arguments.
         """
         if not isinstance(src, nn.Module):
@@ -410,6 +412,15 @@ class GatedMLP(nn.Module):
             value, gate_l, out = src.up_proj, src.gate_proj, src.down_proj
             act = activation_name(src.act_fn) if hasattr(src, "act_fn") else "silu"
             wv, bv, wg_, bg_ = value.weight, value.bias, gate_l.weight, gate_l.bias
+        elif hasattr(src, "gate_up_proj") and hasattr(src, "down_proj"):  # Phi-3: fused, gate half first
+            out, w, bb = src.down_proj, src.gate_up_proj.weight, src.gate_up_proj.bias
+            act = activation_name(src.activation_fn) if hasattr(src, "activation_fn") else "silu"
+            h = w.shape[0] // 2
+            if w.shape[0] != 2 * h or h != out.in_features:
+                raise ValueError(f"gate_up_proj must map to 2 * down_proj.in_features, got {w.shape[0]} and "
+                                 f"{out.in_features}")
+            wg_, wv = w[:h], w[h:]
+            bg_, bv = (None, None) if bb is None else (bb[:h], bb[h:])
         elif hasattr(src, "fc1_g") and hasattr(src, "fc1_x") and hasattr(src, "fc2"):  # timm SwiGLU
             _no_norm(src)
             value, gate_l, out = src.fc1_x, src.fc1_g, src.fc2
@@ -433,8 +444,9 @@ class GatedMLP(nn.Module):
         else:
             raise TypeError(f"cannot convert {type(src).__name__}: expected timm SwiGLU/SwiGLUPacked/GluMlp, a "
                             "Toto-style fc1/fc2 GLU or a LLaMA MLP (gate_proj, up_proj, down_proj)")
-        if act not in _GATES:
-            raise ValueError(f"gate activation {act!r} of {type(src).__name__} is not supported (allowed: {_GATES})")
+        if act not in _GATES and gate is None:  # a replaced gate (gate=...) may be any activation (Gemma's GeGLU)
+            raise ValueError(f"gate activation {act!r} of {type(src).__name__} is not supported (allowed: {_GATES}); "
+                             "pass gate='sigmoid' to replace it")
         if (bv is None) != (out.bias is None):
             raise ValueError("GatedMLP has one bias flag: fc1 and fc2 of the source must both have a bias or none")
         gate = act if gate is None else check_choice("gate", gate, _GATES)

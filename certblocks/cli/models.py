@@ -165,8 +165,9 @@ def load_backbone(spec: str, *, img_size: int = 224, layers: Optional[int] = Non
     """Resolve ``certblocks convert``'s MODEL to ``(model, example_input)``.
 
     Args:
-        spec: ``timm:NAME`` (on a random ``img_size`` image), ``hf:gpt2`` or ``hf:mamba`` (the causal-LM
-            model, on 64 random token ids).
+        spec: ``timm:NAME`` (on a random ``img_size`` image), ``hf:gpt2``, ``hf:llama`` (a GPT-2-small-sized
+            Llama: width 768, 12 heads, 4 key/value heads) or ``hf:mamba`` (the causal-LM model with random
+            weights, on 64 random token ids).
         img_size: the image size of timm models.
         layers: the number of blocks/layers (None: the model's default).
 
@@ -186,13 +187,17 @@ def load_backbone(spec: str, *, img_size: int = 224, layers: Optional[int] = Non
             kw["depth"] = layers
         model = _timm_model(spec[5:], **kw).eval()
         return model, torch.randn(1, 3, img_size, img_size)
-    if spec in ("hf:gpt2", "hf:mamba"):
+    if spec in ("hf:gpt2", "hf:mamba", "hf:llama"):
         tr = _transformers()
         if spec == "hf:gpt2":
             model = tr.GPT2LMHeadModel(tr.GPT2Config(n_layer=12 if layers is None else layers)).eval()
+        elif spec == "hf:llama":  # a GPT-2-small-sized Llama: RoPE, grouped-query attention (4 KV heads), SwiGLU
+            cfg = tr.LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_attention_heads=12,
+                                 num_key_value_heads=4, num_hidden_layers=12 if layers is None else layers)
+            model = tr.LlamaForCausalLM(cfg).eval()
         else:
             cfg = tr.MambaConfig(num_hidden_layers=24 if layers is None else layers, use_mambapy=False)
             model = tr.MambaForCausalLM(cfg).eval()
         return model, {"input_ids": torch.randint(0, 1000, (1, 64)), "use_cache": False}
-    raise ModelSpecError(f"MODEL must be timm:NAME (e.g. timm:vit_tiny_patch16_224), hf:gpt2 or hf:mamba, got "
-                         f"{spec!r}")
+    raise ModelSpecError(f"MODEL must be timm:NAME (e.g. timm:vit_tiny_patch16_224), hf:gpt2, hf:llama or hf:mamba, "
+                         f"got {spec!r}")
