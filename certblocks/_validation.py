@@ -11,6 +11,7 @@ import math
 from typing import Any, Optional, Sequence, Tuple
 
 import torch
+import torch.fx
 from torch import nn
 
 __all__ = [
@@ -130,7 +131,14 @@ def check_cert_args(seq_len: Optional[int], r0: Optional[float], *, block: str =
 
 
 def check_input(x: torch.Tensor, dim: int, weight: torch.Tensor, name: str = "x", ndim: Optional[int] = None) -> None:
-    """Raise a clear error when ``x`` has the wrong type, shape or dtype for a block of width ``dim``."""
+    """Raise a clear error when ``x`` has the wrong type, shape or dtype for a block of width ``dim``.
+
+    A symbolic value (``torch.fx`` tracing: timm's and torchvision's feature extraction) is not checked: its shape
+    and dtype are known only when the traced graph runs.  TorchScript does not compile this check: a block calls it
+    under ``if not torch.jit.is_scripting()``.
+    """
+    if isinstance(x, torch.fx.Proxy):
+        return
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():

@@ -44,6 +44,12 @@ larger ``qk_norm_eps`` lowers it.
 Speed: in eager mode, ``"rms"``/``"l2"`` QK-norm runs through a fused split-and-normalize
 ``autograd.Function`` with a hand-written backward; :meth:`forward_reference` is its plain
 twin, and under ``torch.compile`` the plain composition is traced (inductor fuses it).
+
+Tracing: ``torch.fx`` keeps the fused function and the mask construction as leaf calls
+(``torch.fx.wrap``), so a traced graph computes exactly what eager mode computes and has no
+control flow on tensor values; TorchScript compiles the plain composition (set
+``fused_qk_norm = False`` before ``torch.fx`` tracing a module that will be scripted).  The
+input checks run in eager mode only.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple
 
 import torch
+import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
@@ -65,9 +72,88 @@ from ..protocol import CapSlot, linear_cap_slots
 from .attention_sources import read_source
 from .qk_norm import QK_NORMS, QKNorm, SplitQKVRMSNorm
 
-__all__ = ["Attention", "AttentionNorms", "QKNormAttention", "QKNorm", "check_input"]
+__all__ = ["Attention", "AttentionNorms", "QKNormAttention", "QKNorm", "attention_mask", "check_input"]
 
 _NAMINGS = {"gpt2": ("c_attn", "c_proj"), "timm": ("qkv", "proj")}
+
+
+def split_qkv_rms_norm(qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float,
+                       num_heads: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:class:`SplitQKVRMSNorm` as a function: a leaf call in a ``torch.fx`` graph (each output ``(B, nh, T, hs)``)."""
+    return SplitQKVRMSNorm.apply(qkv, wq, wk, eps, num_heads)
+
+
+def _check_masks(x: torch.Tensor, attn_mask: Optional[torch.Tensor], key_padding_mask: Optional[torch.Tensor]) -> None:
+    """Raise a clear error for a mask that does not fit ``x`` ``(batch, seq_len, dim)`` (eager mode)."""
+    T = x.shape[1]
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            raise TypeError(f"attn_mask must be a torch.Tensor, got {type(attn_mask).__name__}")
+        if attn_mask.shape[-2:] != (T, T) or attn_mask.ndim > 4:
+            raise ValueError(f"attn_mask must broadcast to (batch, num_heads, {T}, {T}) with its last two "
+                             f"dimensions equal to ({T}, {T}), got shape {tuple(attn_mask.shape)}")
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise TypeError(f"attn_mask must be bool (True = attend) or floating (additive), got {attn_mask.dtype}")
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
+            raise TypeError("key_padding_mask must be a bool tensor (True = padded key, ignored), got "
+                            f"{getattr(key_padding_mask, 'dtype', type(key_padding_mask).__name__)}")
+        if key_padding_mask.shape != (x.shape[0], T):
+            raise ValueError(f"key_padding_mask must have shape (batch, seq_len) = {(x.shape[0], T)}, "
+                             f"got {tuple(key_padding_mask.shape)}")
+
+
+def attention_mask(x: torch.Tensor, causal: bool, attn_mask: Optional[torch.Tensor],
+                   key_padding_mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """The additive float mask ``(B or 1, nh or 1, T, T)`` of one attention call, ``None`` when nothing is masked.
+
+    Args:
+        x: the block's input ``(batch, seq_len, dim)`` (its sequence length and device).
+        causal: include the causal mask.
+        attn_mask, key_padding_mask: as in :meth:`QKNormAttention.forward`.
+        dtype: the logits' dtype.
+    """
+    if not torch.jit.is_scripting():
+        _check_masks(x, attn_mask, key_padding_mask)
+    T = x.shape[1]
+    allowed: Optional[torch.Tensor] = None
+    additive: Optional[torch.Tensor] = None
+    if causal:
+        allowed = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            allowed = attn_mask if allowed is None else allowed & attn_mask
+        else:
+            additive = attn_mask.to(dtype)
+    if key_padding_mask is not None:
+        keep = ~key_padding_mask[:, None, None, :]
+        allowed = keep if allowed is None else allowed & keep
+    if allowed is None:
+        return additive
+    if additive is None:
+        additive = torch.zeros((), dtype=dtype, device=x.device)
+    # finfo.min / 2 rather than -inf: a query whose keys are all masked attends uniformly instead of giving
+    # NaN, and logit + mask cannot overflow to -inf in fp16.
+    return additive.masked_fill(~allowed, _masked_logit(dtype))
+
+
+def _masked_logit(dtype: torch.dtype) -> float:
+    """``finfo(dtype).min / 2``, the value of a masked logit (TorchScript has no ``finfo``: the values are spelled)."""
+    if not torch.jit.is_scripting():
+        return torch.finfo(dtype).min / 2
+    if dtype == torch.float16:
+        return -32752.0
+    if dtype == torch.bfloat16:
+        return -1.6947656946257677e38
+    if dtype == torch.float32:
+        return -1.7014117331926443e38
+    return -8.988465674311579e307
+
+
+# leaf calls under torch.fx symbolic tracing (timm's FX feature extraction, torchvision's create_feature_extractor):
+# the autograd.Function and the checks of the masks are not traced through
+torch.fx.wrap("split_qkv_rms_norm")
+torch.fx.wrap("attention_mask")
 
 
 @dataclass(frozen=True)
@@ -113,6 +199,8 @@ class _SelfAttention(nn.Module):
     """Shared implementation of :class:`Attention` and :class:`QKNormAttention`."""
 
     exponents: ClassVar[Exponents] = ATTENTION
+    # properties TorchScript does not compile (a module returned by name)
+    __jit_unused_properties__ = ["in_proj", "out_proj"]
 
     def __init__(self, dim: int, num_heads: int, *, causal: bool = True, bias: bool = True,
                  qkv_bias: Optional[bool] = None, proj_bias: Optional[bool] = None,
@@ -153,6 +241,9 @@ class _SelfAttention(nn.Module):
         self.add_module(self._out_name, nn.Linear(dim, dim, bias=bool(proj_bias), **dd))
         self.attn_dropout = nn.Dropout(check_prob("attn_dropout", attn_dropout))
         self.resid_dropout = nn.Dropout(check_prob("resid_dropout", resid_dropout))
+        #: eager mode normalizes "rms"/"l2" queries and keys with the fused SplitQKVRMSNorm; False: the plain
+        #: composition everywhere (what TorchScript compiles; timm's set_scriptable(True) sets it for the zoo's ViT)
+        self.fused_qk_norm = True
 
     # -- name-independent aliases ---------------------------------------------------------------------------
     @property
@@ -170,58 +261,37 @@ class _SelfAttention(nn.Module):
                 f"naming={self.naming!r}")
 
     # -- forward --------------------------------------------------------------------------------------------
-    def _qkv(self, x: torch.Tensor, fast: bool = True) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        B, T, C = x.shape
-        # eager fast path; under torch.compile the plain composition is traced (inductor fuses it itself)
-        if (fast and self.qk_norm in ("rms", "l2") and self.q_norm.eps == self.k_norm.eps
-                and not torch.compiler.is_compiling()):
-            assert isinstance(self.q_norm, QKNorm) and isinstance(self.k_norm, QKNorm)
-            wq, wk, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
-            if self.qk_norm == "l2":  # g x / sqrt(||x||^2 + eps) = (g / sqrt(hs)) x / sqrt(mean(x^2) + eps / hs)
-                c = self.head_dim ** -0.5
-                wq, wk, eps = wq * c, wk * c, eps / self.head_dim
-            return SplitQKVRMSNorm.apply(self.in_proj(x), wq, wk, eps, self.num_heads)  # each (B, nh, T, hs)
-        qkv = self.in_proj(x).view(B, T, 3, self.num_heads, self.head_dim)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, nh, T, hs)
-        return self.q_norm(q), self.k_norm(k), v
+    def _project_in(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "qkv"):  # evaluated when TorchScript compiles: only the existing branch is compiled
+            return self.qkv(x)
+        return self.c_attn(x)
+
+    def _project_out(self, y: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "proj"):
+            return self.proj(y)
+        return self.c_proj(y)
 
     def _mask(self, x: torch.Tensor, T: int, attn_mask: Optional[torch.Tensor],
               key_padding_mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
         """An additive float mask (B or 1, nh or 1, T, T), or None when only the causal mask applies."""
         if attn_mask is None and key_padding_mask is None:
             return None
-        allowed: Optional[torch.Tensor] = None
-        additive: Optional[torch.Tensor] = None
-        if self.causal:
-            allowed = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        if attn_mask is not None:
-            if not isinstance(attn_mask, torch.Tensor):
-                raise TypeError(f"attn_mask must be a torch.Tensor, got {type(attn_mask).__name__}")
-            if attn_mask.shape[-2:] != (T, T) or attn_mask.ndim > 4:
-                raise ValueError(f"attn_mask must broadcast to (batch, num_heads, {T}, {T}) with its last two "
-                                 f"dimensions equal to ({T}, {T}), got shape {tuple(attn_mask.shape)}")
-            if attn_mask.dtype == torch.bool:
-                allowed = attn_mask if allowed is None else allowed & attn_mask
-            elif attn_mask.is_floating_point():
-                additive = attn_mask.to(dtype)
-            else:
-                raise TypeError(f"attn_mask must be bool (True = attend) or floating (additive), got {attn_mask.dtype}")
-        if key_padding_mask is not None:
-            if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
-                raise TypeError("key_padding_mask must be a bool tensor (True = padded key, ignored), got "
-                                f"{getattr(key_padding_mask, 'dtype', type(key_padding_mask).__name__)}")
-            if key_padding_mask.shape != (x.shape[0], T):
-                raise ValueError(f"key_padding_mask must have shape (batch, seq_len) = {(x.shape[0], T)}, "
-                                 f"got {tuple(key_padding_mask.shape)}")
-            keep = ~key_padding_mask[:, None, None, :]
-            allowed = keep if allowed is None else allowed & keep
-        if additive is None:
-            additive = torch.zeros((), dtype=dtype, device=x.device)
-        if allowed is None:
-            return additive
-        # finfo.min / 2 rather than -inf: a query whose keys are all masked attends uniformly instead of giving
-        # NaN, and logit + mask cannot overflow to -inf in fp16.
-        return additive.masked_fill(~allowed, torch.finfo(dtype).min / 2)
+        return attention_mask(x, self.causal, attn_mask, key_padding_mask, dtype)
+
+    def _qkv(self, x: torch.Tensor, fast: bool = True) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not torch.jit.is_scripting():
+            # eager fast path; under torch.compile the plain composition is traced (inductor fuses it itself)
+            if (fast and self.fused_qk_norm and self.qk_norm in ("rms", "l2") and self.q_norm.eps == self.k_norm.eps
+                    and not torch.compiler.is_compiling()):
+                wq, wk, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+                if self.qk_norm == "l2":  # g x / sqrt(||x||^2 + eps) = (g / sqrt(hs)) x / sqrt(mean(x^2) + eps / hs)
+                    c = self.head_dim ** -0.5
+                    wq, wk, eps = wq * c, wk * c, eps / self.head_dim
+                return split_qkv_rms_norm(self._project_in(x), wq, wk, eps, self.num_heads)  # each (B, nh, T, hs)
+        B, T, C = x.shape
+        qkv = self._project_in(x).view(B, T, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, nh, T, hs)
+        return self.q_norm(q), self.k_norm(k), v
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -238,7 +308,8 @@ class _SelfAttention(nn.Module):
         Returns:
             ``(batch, seq_len, dim)``.
         """
-        check_input(x, self.dim, self.in_proj.weight, ndim=3)
+        if not torch.jit.is_scripting():
+            check_input(x, self.dim, self.in_proj.weight, ndim=3)
         B, T, C = x.shape
         q, k, v = self._qkv(x)
         mask = self._mask(x, T, attn_mask, key_padding_mask, q.dtype)
@@ -246,7 +317,7 @@ class _SelfAttention(nn.Module):
             q, k, v, attn_mask=mask, dropout_p=self.attn_dropout.p if self.training else 0.0,
             is_causal=self.causal and mask is None, scale=self.scale)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, nh*hs)
-        return self.resid_dropout(self.out_proj(y))
+        return self.resid_dropout(self._project_out(y))
 
     def forward_reference(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                           key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -255,10 +326,7 @@ class _SelfAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = self._qkv(x, fast=False)
         logits = (q @ k.transpose(-2, -1)) * self.scale  # (B, nh, T, T)
-        mask = self._mask(x, T, attn_mask, key_padding_mask, q.dtype)
-        if mask is None and self.causal:
-            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-            mask = torch.zeros(T, T, dtype=q.dtype, device=x.device).masked_fill(~causal, torch.finfo(q.dtype).min / 2)
+        mask = attention_mask(x, self.causal, attn_mask, key_padding_mask, q.dtype)
         if mask is not None:
             logits = logits + mask
         y = logits.softmax(dim=-1) @ v
