@@ -7,10 +7,11 @@ Importing :mod:`certblocks.zoo` (with timm installed) registers three models thr
     m = timm.create_model("certblocks_vit_small_patch16_224", num_classes=10)
 
 works with timm's conventions (``pretrained_cfg``, ``num_classes``, ``forward_features``,
-``forward_head``, ``reset_classifier``).  They are ViT-Ti/S/B (patch 16, 224 px) whose blocks are
-:class:`CertifiedViTBlock`: no LayerNorm in the residual updates, QK-normalized bidirectional
-attention (timm names ``qkv``, ``q_norm``, ``k_norm``, ``proj``; (1, 1)) and MLP(GELU) (``fc1``,
-``fc2``; (1, 0)), each branch with a learnable gain (timm's LayerScale ``ls1`` / ``ls2``, ``init_values``
+``forward_head``, ``reset_classifier``, ``features_only=True`` / ``forward_intermediates``, torch.fx feature
+extraction, TorchScript): they pass timm's own model tests (``tests/zoo/test_timm_conformance.py``).  They are
+ViT-Ti/S/B (patch 16, 224 px) whose blocks are :class:`CertifiedViTBlock`: no LayerNorm in the residual updates,
+QK-normalized bidirectional attention (timm names ``qkv``, ``q_norm``, ``k_norm``, ``proj``; (1, 1)) and MLP(GELU)
+(``fc1``, ``fc2``; (1, 0)), each branch with a learnable gain (timm's LayerScale ``ls1`` / ``ls2``, ``init_values``
 1e-2 for ViT-Ti/S, 1e-3 for ViT-B: what certifies each size in bf16 at initialization, see the README).  timm arguments
 that would change the certified structure (``norm_layer``, ``mlp_layer``, ``qk_norm=False``, ...) are
 refused with an error naming them.  The final ``norm`` before the head is kept (it is part of the head).  No weights
@@ -28,7 +29,7 @@ from functools import partial
 from typing import Any, List, Optional, Tuple
 
 import torch
-from timm.layers import DropPath
+from timm.layers import DropPath, is_scriptable
 from timm.models import VisionTransformer, build_model_with_cfg, generate_default_cfgs, register_model
 from torch import nn
 
@@ -116,6 +117,9 @@ class CertifiedViTBlock(nn.Module):
         self.attn = QKNormAttention(dim, num_heads, causal=False, qkv_bias=bool(qkv_bias), proj_bias=bool(proj_bias),
                                     qk_norm_eps=qk_norm_eps, attn_dropout=attn_drop, resid_dropout=proj_drop,
                                     naming="timm", **dd)
+        # the fused QK-norm is an autograd.Function, which TorchScript cannot compile: timm's scriptable mode
+        # (set_scriptable(True), e.g. to script a torch.fx-traced graph) builds the plain composition
+        self.attn.fused_qk_norm = not is_scriptable()
         self.ls1 = LayerScale(dim, init_values, **dd) if init_values else nn.Identity()
         act = activation_name(act_layer() if isinstance(act_layer, type) else act_layer)
         self.mlp = MLP(dim, int(dim * mlp_ratio), act, bias=bool(proj_bias), dropout=proj_drop, **dd)
@@ -125,9 +129,9 @@ class CertifiedViTBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False
                 ) -> torch.Tensor:
-        if is_causal:
+        if isinstance(is_causal, bool) and is_causal:  # a torch.fx-traced flag is not a bool: not checked
             raise ValueError("CertifiedViTBlock is bidirectional; is_causal=True is not supported")
-        x = x + self.drop_path1(self.ls1(self.attn(x, attn_mask=attn_mask) if attn_mask is not None else self.attn(x)))
+        x = x + self.drop_path1(self.ls1(self.attn(x, attn_mask=attn_mask)))
         return x + self.drop_path2(self.ls2(self.mlp(x)))
 
     def velocities(self, prefix: str) -> List[Tuple[str, nn.Module]]:
@@ -223,7 +227,11 @@ def _create(variant: str, pretrained: bool, **kwargs: Any) -> CertifiedVisionTra
         raise ValueError(f"{variant} has no pretrained weights (certblocks downloads nothing); build it with "
                          "pretrained=False and load a checkpoint yourself, or convert a timm ViT with "
                          "certblocks.convert")
-    return build_model_with_cfg(CertifiedVisionTransformer, variant, pretrained, **kwargs)
+    # features_only=True: timm's FeatureGetterNet over forward_intermediates(), the last 3 blocks by default (as timm's
+    # ViTs); out_indices picks others
+    feature_cfg = {"out_indices": kwargs.pop("out_indices", 3), "feature_cls": "getter",
+                   **kwargs.pop("feature_cfg", {})}
+    return build_model_with_cfg(CertifiedVisionTransformer, variant, pretrained, feature_cfg=feature_cfg, **kwargs)
 
 
 @register_model
