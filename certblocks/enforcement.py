@@ -7,7 +7,11 @@ parameters (the ones the optimizer updates) become:
 * a matrix ``W`` (or each row block of a fused one: ``q``, ``k``, ``v`` of ``c_attn``/``qkv``; the value and
   gate halves of a gated MLP's ``fc1``) is used as ``W * min(1, a / ||W||_2)``: spectral norm at most ``a``;
 * a bias ``b`` (or each part of a fused one) as ``b * min(1, beta / ||b||_2)``;
-* a QK-norm scale ``g`` as ``clamp(g, -gamma, gamma)``; a QK-LayerNorm bias like a bias.
+* a QK-norm scale ``g`` as ``clamp(g, -gamma, gamma)``; a QK-LayerNorm bias like a bias; a Mamba block's conv taps
+  and ``D`` likewise (largest absolute entry);
+* a Mamba block's ``delta`` bias ``b`` as ``clamp(b, -30, softplus^-1(d))``: ``softplus(b_i) <= d``.  The lower end
+  is fixed (not scaled with the caps; ``softplus(-30) < 1e-13``): only the bound on the ``delta`` pre-activation
+  (the peak) reads it.
 
 ``||W||_2`` is bounded above in float64 (largest eigenvalue of the smaller Gram matrix, with the
 rounding of ``eigvalsh`` and of the Gram product added; no gradient flows through the scale), and the
@@ -31,7 +35,18 @@ themselves dropped).  For the shipped blocks: MLP ``c = a2 a1``, ``b = a2 beta1 
 attention ``c = sqrt(H) a_o a_v``, ``b = a_o beta_v + beta_o``, plain
 ``l1 = s H a_o a_v (2 a_q a_k + a_k beta_q / 2)``, QK-norm ``l1 = s H a_o a_v (A_k G_q a_q + A_q G_k a_k)``
 with ``A = gamma sqrt(d_k) + beta_n`` and ``G = gamma / sqrt(eps)``;
-sigmoid-gated MLP ``c = a2 a_g``, ``l1 = a2 a_u a_g / 4``, ``l0 = c + a2 a_u beta_g / 4``.
+sigmoid-gated MLP ``c = a2 a_g``, ``l1 = a2 a_u a_g / 4``, ``l0 = c + a2 a_u beta_g / 4``; SwiGLU (``q = 2``) ``c =
+a2 (a_g a_u + (a_g beta_u + beta_g a_u) / 2)``, ``l1 = (1 + Lip(SiLU)) a2 a_g a_u``: a stack of it is certified for
+a finite depth only, and the caps are chosen for that depth. Mamba blocks (``LinearGrowthMamba`` and ``Mamba``):
+``in_proj`` in its ``x`` and ``z`` halves, ``x_proj`` in its ``delta``, ``B``, ``C`` row blocks, ``dt_proj.weight``,
+``out_proj`` and the biases are capped as above, the conv taps and ``D`` clamped, the ``delta`` bias capped in
+``softplus``; the bound then reads ``a <= min(K, seq_len) w_conv a_x`` for the conv over ``in_proj``, ``||M_i|| <=
+a_dtw a_dt`` for the ``delta`` projection, ``delta <= softplus(softplus^-1(d) + a_dtw a_dt)``, and every decay
+``exp(delta A)`` at its bound 1: ``A_log`` is not capped (``A = -exp(A_log) < 0`` whatever it is; the forward keeps
+``A`` finite: ``A_log`` above 88 reads as 88), so the worst case gives up the decay's help, which matters only for
+sequences longer than the decay time. The Mamba bounds hold for sequences of at most ``seq_len`` tokens (the
+model's, or ``enforce``'s argument).
+
 Each cap is ``alpha * ref`` with ``ref = max(current value, 1)`` (the norm when ``enforce`` is called,
 floored at 1 so that zero-initialized biases and projections may still grow), and one factor ``alpha``
 for the whole model: the largest ``alpha`` (bisection on a log scale, then ``* 0.99``) for which the
@@ -45,12 +60,15 @@ certificate holds for every parameter value.  If ``alpha < 1`` the current weigh
 worst-case list is repeated cyclically up to ``depth`` updates.
 
 Supported updates: every module that keeps the protocol -- :class:`~certblocks.MLP`,
-:class:`~certblocks.GatedMLP` (sigmoid gate), :class:`~certblocks.Attention`,
-:class:`~certblocks.QKNormAttention`, :class:`~certblocks.blocks.NormedUpdate` and ``PatchTSTUpdate`` (no norm, or
-LayerNorm / RMSNorm pre / peri: the norms' scales are clamped and their biases capped too) around a supported
-branch, and the zoo's wrappers (Toto's axis attention).  Others (Mamba blocks, BatchNorm, post-norm) raise
-``TypeError`` naming the update.  The guarantee is for inputs of per-token norm at most ``r0``; a zoo model's ``r0``
-comes from its embedding, which is not capped: pass ``r0`` to fix it.
+:class:`~certblocks.GatedMLP` (sigmoid gate, and SwiGLU at a finite depth), :class:`~certblocks.Attention`,
+:class:`~certblocks.QKNormAttention`, :class:`~certblocks.LinearGrowthMamba`, :class:`~certblocks.Mamba` (``q = 5``:
+caps that certify a deep stack of it shrink its weights a lot; ``mamba_forecaster_free`` gets ``alpha ~ 0.02`` in
+bf16), :class:`~certblocks.blocks.NormedUpdate` and ``PatchTSTUpdate`` (no norm, or LayerNorm / RMSNorm pre / peri:
+the norms' scales are clamped and their biases capped too) around a supported branch, branch gains, and the zoo's
+wrappers (Toto's axis attention): every zoo forecaster and ``toto_style``.  Others raise ``TypeError`` naming the
+update: PatchTST's BatchNorm (its eval-mode map reads the running statistics, buffers that training overwrites and
+no parameter cap bounds) and post-norm layers (not residual updates).  The guarantee is for inputs of per-token norm
+at most ``r0``; a zoo model's ``r0`` comes from its embedding, which is not capped: pass ``r0`` to fix it.
 """
 
 from __future__ import annotations
@@ -70,7 +88,8 @@ from .certificate import BlockCertificate, StackCertificate, certify_stack
 from .monitor import ResidualUpdates, residual_updates
 from .protocol import CapSlot, EnforceableBlock
 
-__all__ = ["enforce", "unenforce", "cap_factor", "EnforceReport", "NormCap", "ScaleClamp"]
+__all__ = ["enforce", "unenforce", "cap_factor", "cap_ratios", "EnforceReport", "NormCap", "ScaleClamp",
+           "SoftplusCeiling"]
 
 _FLOOR = 1.0
 
@@ -88,7 +107,29 @@ def _safety(p: torch.Tensor) -> float:
 
 
 # ---------------------------------------------------------------------------------------- parametrizations
-class NormCap(nn.Module):
+class _Float64Caps(nn.Module):
+    """A parametrization whose caps are float64 buffers: saved in the ``state_dict`` (loading an enforced model's
+    state restores its caps), moved with the model, never cast (casting must not round a cap up)."""
+
+    def _apply(self, fn: Any, recurse: bool = True) -> _Float64Caps:
+        exact = {k: b for k, b in self._buffers.items() if b is not None}
+        super()._apply(fn, recurse)
+        for k, b in exact.items():
+            self._buffers[k] = b.to(self._buffers[k].device)  # type: ignore[union-attr]
+        return self
+
+    def right_inverse(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def _round_toward(t64: torch.Tensor, dtype: torch.dtype, toward: float) -> torch.Tensor:
+    """The float64 tensor ``t64`` in ``dtype``, one step toward ``toward`` where rounding crossed it the other way."""
+    t = t64.to(dtype)
+    crossed = (t.to(torch.float64) - t64) * (toward - t64) < 0
+    return torch.where(crossed, torch.nextafter(t, torch.full_like(t, toward)), t)
+
+
+class NormCap(_Float64Caps):
     """``x -> x * min(1, cap / ||x||)`` on each row block of a matrix (spectral norm) or part of a vector (l2).
 
     Args:
@@ -115,32 +156,60 @@ class NormCap(nn.Module):
             out.append(p * scale.to(p.dtype))
         return out[0] if len(out) == 1 else torch.cat(out, dim=0)
 
-    def right_inverse(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
     def extra_repr(self) -> str:
         return f"sizes={self.sizes}, caps={[f'{c:.4g}' for c in self.caps.tolist()]}"
 
 
-class ScaleClamp(nn.Module):
-    """``g -> clamp(g, -cap, cap)``: ``||g||_inf <= cap`` (QK-norm scales)."""
+class ScaleClamp(_Float64Caps):
+    """``g -> clamp(g, -cap, cap)``: ``||g||_inf <= cap`` (QK-norm and normalization scales, conv taps, ``D``)."""
 
     def __init__(self, cap: float) -> None:
         super().__init__()
-        self.cap = float(cap)
+        self.register_buffer("cap_value", torch.tensor(float(cap), dtype=torch.float64))
+
+    @property
+    def cap(self) -> float:
+        """The cap."""
+        return float(self.cap_value)
 
     def forward(self, g: torch.Tensor) -> torch.Tensor:
-        cap = torch.tensor(self.cap, dtype=torch.float64).to(g.dtype)
-        if float(cap) > self.cap:  # the cap rounded up in g's dtype: take the next value below
-            cap = torch.nextafter(cap, torch.zeros_like(cap))
-        cap = cap.to(g.device)
+        cap = _round_toward(self.cap_value.to(g.device), g.dtype, 0.0)
         return torch.minimum(torch.maximum(g, -cap), cap)
-
-    def right_inverse(self, g: torch.Tensor) -> torch.Tensor:
-        return g
 
     def extra_repr(self) -> str:
         return f"cap={self.cap:.4g}"
+
+
+class SoftplusCeiling(_Float64Caps):
+    """``x -> clamp(x, lower, softplus^-1(cap))``: every ``softplus(x_i) <= cap`` and ``x_i >= lower``.
+
+    The upper end is :func:`certblocks.protocol.softplus_ceiling` (computed in float64 on ``x``'s device, then
+    lowered by two float64 steps to stay at or below the value the certificates read) rounded down in ``x``'s
+    dtype; the lower end (fixed, not a cap) rounded up.  When ``lower`` exceeds the upper end every entry is the
+    upper end: the ceiling always holds.
+    """
+
+    def __init__(self, cap: float, lower: float) -> None:
+        super().__init__()
+        self.register_buffer("cap_value", torch.tensor(float(cap), dtype=torch.float64))
+        self.lower = float(lower)
+
+    @property
+    def cap(self) -> float:
+        """The cap on ``softplus`` of an entry."""
+        return float(self.cap_value)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.cap_value.to(x.device)
+        hi = c + torch.log(-torch.expm1(-c))
+        for _ in range(2):
+            hi = torch.nextafter(hi, torch.full_like(hi, -math.inf))
+        hi = _round_toward(hi, x.dtype, -math.inf)
+        lo = _round_toward(x.new_full((), self.lower, dtype=torch.float64), x.dtype, math.inf)
+        return torch.minimum(torch.maximum(x, lo), hi)
+
+    def extra_repr(self) -> str:
+        return f"cap={self.cap:.4g}, lower={self.lower:g}"
 
 
 # ---------------------------------------------------------------------------------------- per-update plans
@@ -156,7 +225,14 @@ class _Plan:
     def worst(self, alpha: float, seq_len: Optional[int]) -> BlockCertificate:
         """The certificate at caps ``alpha * ref``, from the block's own bound (``certificate_from_caps``)."""
         caps = {key: alpha * ref for sl, refs in zip(self.slots, self.refs) for key, ref in zip(sl.keys, refs)}
-        return dataclasses.replace(self.block.certificate_from_caps(caps, seq_len=seq_len), name=self.name)
+        try:
+            cert = self.block.certificate_from_caps(caps, seq_len=seq_len)
+        except ValueError as exc:
+            if seq_len is None and "seq_len" in str(exc):
+                raise ValueError(f"update {self.name!r} needs a sequence length: pass enforce(..., seq_len=N), the "
+                                 f"longest sequence the guarantee is for ({exc})") from None
+            raise
+        return dataclasses.replace(cert, name=self.name)
 
 
 def _reference(slot: CapSlot) -> List[float]:
@@ -170,6 +246,8 @@ def _reference(slot: CapSlot) -> List[float]:
             v = bounds.op_norm(part)
         elif slot.kind == "vector":
             v = bounds.vec_norm(part)
+        elif slot.kind == "softplus":
+            v = float(torch.nn.functional.softplus(part.to(torch.float64).max()))
         else:
             v = bounds.vec_inf_norm(part)
         out.append(max(v, _FLOOR))
@@ -181,8 +259,8 @@ def _plan(name: str, m: nn.Module) -> _Plan:
     if not isinstance(m, EnforceableBlock):
         raise TypeError(f"enforce does not support update {name!r} ({type(m).__name__}): its block has no "
                         "cap_slots() / certificate_from_caps() (certblocks.protocol.EnforceableBlock); supported: MLP, "
-                        "GatedMLP(gate='sigmoid'), Attention, QKNormAttention, NormedUpdate and PatchTSTUpdate "
-                        "(no norm, or pre/peri LayerNorm/RMSNorm)")
+                        "GatedMLP, Attention, QKNormAttention, LinearGrowthMamba, Mamba, NormedUpdate, ScaledBranch "
+                        "and PatchTSTUpdate (no norm, or pre/peri LayerNorm/RMSNorm)")
     try:
         slots = m.cap_slots()
     except TypeError as exc:
@@ -212,7 +290,7 @@ class EnforceReport:
 
 def _is_enforced(module: nn.Module, name: str) -> bool:
     return parametrize.is_parametrized(module, name) and any(
-        isinstance(p, (NormCap, ScaleClamp)) for p in module.parametrizations[name])
+        isinstance(p, (NormCap, ScaleClamp, SoftplusCeiling)) for p in module.parametrizations[name])
 
 
 def _worst_stack(plans: List[_Plan], alpha: float, depth: int, ups: ResidualUpdates, dtype: str) -> StackCertificate:
@@ -222,9 +300,9 @@ def _worst_stack(plans: List[_Plan], alpha: float, depth: int, ups: ResidualUpda
 
 
 def _prepare(model: Any, dtype: Union[str, torch.dtype], depth: Optional[int], r0: Optional[float],
-             lip_g: Optional[float]) -> Tuple[str, ResidualUpdates, List[_Plan], int]:
+             lip_g: Optional[float], seq_len: Optional[int]) -> Tuple[str, ResidualUpdates, List[_Plan], int]:
     dt_name = dtype_name(dtype)
-    ups = residual_updates(model, r0=r0)
+    ups = residual_updates(model, r0=r0, seq_len=seq_len)
     if r0 is None and callable(ups.r0):
         ups.r0 = float(ups.r0())  # freeze: the guarantee is for this radius
     if lip_g is not None:
@@ -263,17 +341,19 @@ def _search_alpha(plans: List[_Plan], depth: int, ups: ResidualUpdates, dt_name:
 
 
 def cap_factor(model: Any, dtype: Union[str, torch.dtype], depth: Optional[int] = None, *,
-               r0: Optional[float] = None, lip_g: Optional[float] = None) -> Tuple[float, StackCertificate]:
+               r0: Optional[float] = None, lip_g: Optional[float] = None,
+               seq_len: Optional[int] = None) -> Tuple[float, StackCertificate]:
     """The cap factor ``alpha`` :func:`enforce` would choose, and its worst-case certificate; registers nothing.
 
     Same arguments as :func:`enforce`.  ``alpha >= 1`` keeps the current weights; ``alpha < 1`` shrinks them.
     """
-    dt_name, ups, plans, depth = _prepare(model, dtype, depth, r0, lip_g)
+    dt_name, ups, plans, depth = _prepare(model, dtype, depth, r0, lip_g, seq_len)
     return _search_alpha(plans, depth, ups, dt_name)
 
 
 def enforce(model: Any, dtype: Union[str, torch.dtype], depth: Optional[int] = None, *,
-            r0: Optional[float] = None, lip_g: Optional[float] = None) -> EnforceReport:
+            r0: Optional[float] = None, lip_g: Optional[float] = None,
+            seq_len: Optional[int] = None) -> EnforceReport:
     """Cap the weights of ``model``'s residual updates so that its certificate holds for every parameter value.
 
     See the module docstring for the parametrizations and how the caps are chosen.
@@ -286,6 +366,8 @@ def enforce(model: Any, dtype: Union[str, torch.dtype], depth: Optional[int] = N
         r0: the input radius (default: the model's at this call).
         lip_g: ``Lip(G)`` of the head (default: the model's, 1 for a zoo model); the head is not capped, so a
             head's bound holds while its weights stay as they are.
+        seq_len: the longest sequence the guarantee is for (default: the stack's or zoo model's); Mamba blocks
+            need one (their bound sums over time), other blocks ignore it.
 
     Returns:
         An :class:`EnforceReport` (``alpha``, the caps, the worst-case certificate).
@@ -295,7 +377,7 @@ def enforce(model: Any, dtype: Union[str, torch.dtype], depth: Optional[int] = N
         ValueError: ``depth`` smaller than the number of updates, or no caps can certify the stack
             (e.g. ``r0`` alone overflows the dtype).
     """
-    dt_name, ups, plans, depth = _prepare(model, dtype, depth, r0, lip_g)
+    dt_name, ups, plans, depth = _prepare(model, dtype, depth, r0, lip_g, seq_len)
     for p in plans:
         for sl in p.slots:
             if parametrize.is_parametrized(sl.module, sl.name):
@@ -305,17 +387,56 @@ def enforce(model: Any, dtype: Union[str, torch.dtype], depth: Optional[int] = N
     caps: Dict[str, List[float]] = {}
     done: List[Tuple[nn.Module, str]] = []
     for p in plans:
+        paths = {id(m): path for path, m in p.block.named_modules()}
         for sl, refs in zip(p.slots, p.refs):
             values = [alpha * r for r in refs]
-            par: nn.Module = ScaleClamp(values[0]) if sl.kind == "clamp" else NormCap(sl.sizes, values)
+            par: nn.Module
+            if sl.kind == "clamp":
+                par = ScaleClamp(values[0])
+            elif sl.kind == "softplus":
+                assert sl.lower is not None
+                par = SoftplusCeiling(values[0], sl.lower)
+            else:
+                par = NormCap(sl.sizes, values)
             parametrize.register_parametrization(sl.module, sl.name, par)
             done.append((sl.module, sl.name))
-            caps[f"{p.name}:{type(sl.module).__name__}.{sl.name}"] = values
+            path = paths.get(id(sl.module))
+            caps[".".join(x for x in (p.name, path, sl.name) if x) if path is not None
+                 else f"{p.name}:{type(sl.module).__name__}.{sl.name}"] = values
     from .stack import CertifiedStack
 
     if isinstance(model, CertifiedStack):
         model.recertify()
     return EnforceReport(alpha, caps, worst, dt_name, depth, done)
+
+
+def cap_ratios(model: nn.Module) -> Dict[str, float]:
+    """How full each cap is: the effective value over its cap, for every part of every enforced tensor.
+
+    Exact in float64: the spectral norm (SVD) of a capped matrix block, the Euclidean norm of a capped vector
+    part, the largest absolute entry of a clamped tensor, the largest ``softplus`` of a ``"softplus"`` one.  A
+    ratio is at most 1 whatever the parameters are.
+
+    Returns:
+        ``{"<module path>.<tensor>[<part>]": ratio}``.
+    """
+    out: Dict[str, float] = {}
+    for path, m in model.named_modules():
+        if not parametrize.is_parametrized(m):
+            continue
+        for name, plist in m.parametrizations.items():
+            t = getattr(m, name).detach().to(torch.float64)
+            key = ".".join(x for x in (path, name) if x)
+            for par in plist:
+                if isinstance(par, NormCap):
+                    for j, (p, cap) in enumerate(zip(torch.split(t, par.sizes, dim=0), par.caps.tolist())):
+                        n = torch.linalg.matrix_norm(p, ord=2) if p.ndim == 2 else torch.linalg.vector_norm(p)
+                        out[f"{key}[{j}]"] = float(n) / cap
+                elif isinstance(par, ScaleClamp):
+                    out[f"{key}[0]"] = float(t.abs().max()) / par.cap
+                elif isinstance(par, SoftplusCeiling):
+                    out[f"{key}[0]"] = float(torch.nn.functional.softplus(t).max()) / par.cap
+    return out
 
 
 def unenforce(model: Any) -> int:

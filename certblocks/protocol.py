@@ -10,15 +10,16 @@ A *certified block* is an ``nn.Module`` velocity ``v`` (the stack adds ``X + dt 
   bound stays valid at every radius).
 
 An *enforceable block* is a certified block whose certificate is a monotone function of a few norms of its
-weights (operator norms of matrices or of their row blocks, Euclidean norms of biases, largest
-normalization scales).  It lists those tensors as :class:`CapSlot` s and computes a certificate from caps on
-them with the SAME function its ``certificate()`` uses (:meth:`EnforceableBlock.certificate_from_caps`):
-:func:`certblocks.enforce` caps the tensors by parametrizations and then that certificate holds for every
-parameter value.
+weights (operator norms of matrices or of their row blocks, Euclidean norms of biases, largest normalization
+scales, the largest ``softplus`` of a Mamba block's ``delta`` bias). It lists those tensors as
+:class:`CapSlot` s and computes a certificate from caps on them with the SAME function its ``certificate()``
+uses (:meth:`EnforceableBlock.certificate_from_caps`): :func:`certblocks.enforce` caps the tensors by
+parametrizations and then that certificate holds for every parameter value.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, List, Mapping, Optional, Protocol, Tuple, runtime_checkable
 
@@ -28,11 +29,26 @@ from .exponents import Exponents
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
-__all__ = ["CapSlot", "CertifiedBlock", "EnforceableBlock", "CAP_KINDS", "linear_cap_slots"]
+__all__ = ["CapSlot", "CertifiedBlock", "EnforceableBlock", "CAP_KINDS", "linear_cap_slots", "softplus_ceiling"]
 
 #: ``"matrix"``: spectral norm of each row block; ``"vector"``: Euclidean norm of each part; ``"clamp"``: the
-#: largest absolute entry (a normalization's scale).
-CAP_KINDS = ("matrix", "vector", "clamp")
+#: largest absolute entry (a normalization's scale, a convolution's taps); ``"softplus"``: the largest
+#: ``softplus(entry)`` (one-sided: the entries stay at most ``softplus^-1(cap)``, and at least the slot's fixed
+#: ``lower``; a Mamba block's ``delta`` bias).
+CAP_KINDS = ("matrix", "vector", "clamp", "softplus")
+
+
+def softplus_ceiling(cap: float) -> float:
+    """The largest entry a ``"softplus"`` slot with cap ``cap > 0`` allows: ``softplus^-1(cap)``.
+
+    ``softplus^-1(cap) = cap + log(1 - exp(-cap))``.
+
+    Computed in float64; the parametrization rounds it down in the parameter's dtype and a block's
+    :meth:`EnforceableBlock.certificate_from_caps` evaluates its bound at this same value.
+    """
+    if not cap > 0:
+        raise ValueError(f"a softplus cap must be > 0, got {cap!r}")
+    return cap + math.log(-math.expm1(-cap))
 
 
 @dataclass(frozen=True)
@@ -46,6 +62,8 @@ class CapSlot:
         sizes: the sizes of the parts along dimension 0 (a fused ``qkv`` projection has three).
         keys: one name per part: the key under which :meth:`EnforceableBlock.certificate_from_caps` reads
             the cap of that part.
+        lower: ``"softplus"`` only: the fixed lower end of the entries (not scaled with the caps; the block's
+            certificate reads it as a constant).
     """
 
     module: nn.Module
@@ -53,12 +71,18 @@ class CapSlot:
     kind: str
     sizes: Tuple[int, ...]
     keys: Tuple[str, ...]
+    lower: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.kind not in CAP_KINDS:
             raise ValueError(f"kind must be one of {CAP_KINDS}, got {self.kind!r}")
         if len(self.sizes) != len(self.keys):
             raise ValueError(f"sizes {self.sizes} and keys {self.keys} differ in length")
+        if (self.kind == "softplus") != (self.lower is not None):
+            raise ValueError(f"lower is required for kind 'softplus' and only for it, got kind={self.kind!r}, "
+                             f"lower={self.lower!r}")
+        if self.lower is not None and not math.isfinite(self.lower):
+            raise ValueError(f"lower must be finite, got {self.lower!r}")
 
 
 @runtime_checkable

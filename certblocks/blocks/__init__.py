@@ -2,7 +2,7 @@
 
 Each block is a velocity (the stack adds the residual ``X + dt * v(X)``) and keeps the protocol of
 :mod:`certblocks.protocol`: a class-level ``exponents``, ``certificate(*, seq_len=None, r0=None)``
-from its current weights, and (every block but the Mamba mixers) ``cap_slots()`` /
+from its current weights, and (every block) ``cap_slots()`` /
 ``certificate_from_caps()``, the same bound read from caps, for :func:`certblocks.enforce`.  Blocks that
 replace a module have a ``from_module`` classmethod that builds them from it and copies the weights.
 """

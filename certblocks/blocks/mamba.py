@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import ClassVar, Tuple
+from typing import ClassVar, Dict, Mapping, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .. import bounds
+from .._validation import check_cert_args
 from ..bounds import Poly
 from ..certificate import BlockCertificate
 from ..exponents import LINEAR_GROWTH_MAMBA, MAMBA_SSM, Exponents
@@ -203,8 +204,18 @@ class Mamba(SelectiveScanMixer):
             r0: optional scale at which the folding of the growth polynomial is tightest.
         """
         L, r0f = self._check_cert_args(seq_len, r0)
-        w = self._weights64()
-        k = self._common_constants(w, L)
+        return self._certificate(self._common_constants(self._weights64(), L), L, r0f)
+
+    def certificate_from_caps(self, caps: Mapping[str, float], *, seq_len: Optional[int] = None) -> BlockCertificate:
+        """The certificate that holds while every tensor of :meth:`cap_slots` is within its cap, for sequences of at
+        most ``seq_len`` tokens (the norms of :meth:`certificate` replaced by their bounds from the caps; folded at
+        ``t = 1``, as :meth:`certificate` without ``r0``)."""
+        L, _ = check_cert_args(seq_len, None, block=self._cert_name(), needs_seq_len=True)
+        assert L is not None
+        return self._certificate(self._constants_from_caps(caps, L), L, None)
+
+    def _certificate(self, k: Dict[str, float], L: int, r0f: Optional[float]) -> BlockCertificate:
+        """The one formula behind :meth:`certificate` and :meth:`certificate_from_caps`, from the norms ``k``."""
         U = _poly(k["b_c"], k["a"])
         Z = _poly(k["bz"], k["Wz"])
         Delta = _poly(k["b_dt_pos_max"] + math.log(2.0)) + U.scale(k["M_rows_max"])
@@ -224,9 +235,9 @@ class Mamba(SelectiveScanMixer):
         l1, l0 = jac.collapse_jacobian(5)
         # intermediates: in_proj (x and z halves), the scan input U, x_proj's outputs (delta before and
         # after softplus, B, C), the state h_t (at most L steps of delta B u), y, the gated y, the output
-        xproj = U.scale(bounds.op_norm(torch.cat([w["W_dt"], w["W_B"], w["W_C"]])))
+        xproj = U.scale(k["xproj"])
         state = _prod(Bn, Delta, U).scale(float(L))
-        x_half = _poly(bounds.vec_norm(w["b_x"]), bounds.op_norm(w["W_x"]))
+        x_half = _poly(k["bx"], k["Wx"])
         peak = bounds.fold_peak([x_half, Z, U, xproj, Delta, Bn, Cn, state, Y, Z * Y, growth, Poly.const(1.0)],
                                 "selective-scan state and output (degree 5 in ||x||)")
         r = lambda v: self._rounded(v, L)  # noqa: E731
@@ -330,12 +341,34 @@ class LinearGrowthMamba(SelectiveScanMixer):
         """
         L, _ = self._check_cert_args(seq_len, r0)
         w = self._weights64()
-        k = self._common_constants(w, L)
         M = w["dt_w"] @ w["W_dt"]
         mrow = M.norm(dim=1) * (1.0 + 2.0 * bounds.UNIT_ROUNDOFF * M.shape[1])  # rounded up
         dmax = F.softplus(w["dt_b"] + mrow)
         dmin = F.softplus(w["dt_b"] - mrow)
-        S, S_M, S_A = decay_sums(dmax, mrow, w["A"], dmin, L)
+        return self._certificate(self._common_constants(w, L), L, dmax, mrow, w["A"], dmin)
+
+    def certificate_from_caps(self, caps: Mapping[str, float], *, seq_len: Optional[int] = None) -> BlockCertificate:
+        """The certificate that holds while every tensor of :meth:`cap_slots` is within its cap, for sequences of at
+        most ``seq_len`` tokens.
+
+        The norms of :meth:`certificate` are replaced by their bounds from the caps (``||M_i|| <= m = a_dtw a_dt``,
+        ``delta <= dmax = softplus(softplus^-1(delta_b) + m)``) and the decays by their bound 1 (``dmin = 0``, which
+        holds whatever ``A_log``): ``S = L dmax``, ``S_M = L m min(1, dmax)``, ``S_A = (L - 1) m dmax / e``.
+        """
+        L, _ = check_cert_args(seq_len, None, block=self._cert_name(), needs_seq_len=True)
+        assert L is not None
+        k = self._constants_from_caps(caps, L)
+        n, m = self.d_inner, k["M_rows_max"]
+        f64 = {"dtype": torch.float64}
+        dmax = F.softplus(torch.full((n,), k["dt_b_max"] + m, **f64))
+        return self._certificate(k, L, dmax, torch.full((n,), m, **f64), torch.zeros(n, self.d_state, **f64),
+                                 torch.zeros(n, **f64))
+
+    def _certificate(self, k: Dict[str, float], L: int, dmax: torch.Tensor, mrow: torch.Tensor, A: torch.Tensor,
+                     dmin: torch.Tensor) -> BlockCertificate:
+        """The one formula behind :meth:`certificate` and :meth:`certificate_from_caps`: from the norms ``k`` and, per
+        channel, the range ``[dmin, dmax]`` of ``delta``, the row norms ``mrow`` of ``M`` and the decay rates ``A``."""
+        S, S_M, S_A = decay_sums(dmax, mrow, A, dmin, L)
         a, b_c = k["a"], k["b_c"]
         WCB = k["WC"] * k["WB"]
         K1 = WCB * S + k["Dmax"]
@@ -350,9 +383,8 @@ class LinearGrowthMamba(SelectiveScanMixer):
         # intermediates: in_proj (x and z halves), the scan input U = a R + b_c, x_proj's outputs from the
         # normalized p (||p|| < 1: delta before softplus <= max ||M_i|| + |dt_b|, after <= dmax, B, C), the
         # state ||h_t|| <= ||W_B|| S U, y and the gated y (<= K1 U), the output
-        xproj = bounds.op_norm(torch.cat([w["W_dt"], w["W_B"], w["W_C"]]))
-        consts = [xproj, float(mrow.max() + w["dt_b"].abs().max()), float(dmax.max()), 1.0]  # 1: decays, gate
-        peak = bounds.fold_peak([_poly(bounds.vec_norm(w["b_x"]), bounds.op_norm(w["W_x"])), _poly(k["bz"], k["Wz"]),
+        consts = [k["xproj"], float(mrow.max()) + k["dt_b_abs_max"], float(dmax.max()), 1.0]  # 1: decays, gate
+        peak = bounds.fold_peak([_poly(k["bx"], k["Wx"]), _poly(k["bz"], k["Wz"]),
                                  _poly(b_c, a), _poly(max(consts)), _poly(k["WB"] * S * b_c, k["WB"] * S * a),
                                  _poly(K1 * b_c, K1 * a), _poly(b, c)],
                                 "selective-scan state h_t (at most seq_len steps of delta B u)")

@@ -3,28 +3,46 @@
 :class:`SelectiveScanMixer` holds everything the two blocks share: ``mamba_ssm.Mamba``'s constructor,
 initialization (the same random draws in the same order) and state_dict, the forward on certblocks'
 selective-scan kernels, decoding (``step``, ``inference_params``), conversion from ``mamba_ssm``/HF modules, and
-the weight norms both certificates read.  The subclasses set the gate, whether ``x_proj`` reads normalized
-tokens, and their certificates.
+the weight norms both certificates read (from the weights, or from caps on them for :func:`certblocks.enforce`).
+The subclasses set the gate, whether ``x_proj`` reads normalized tokens, and their certificates.
+
+Decay rates: the forward uses ``A = -exp(min(A_log, 88))`` (``-exp(A_log)`` as ``mamba_ssm`` for every
+``A_log <= 88``, i.e. ``|A| <= 1.6e38``): an ``A_log`` beyond ~88.7 would make ``A = -inf`` in float32, and
+``exp(delta A)`` NaN where ``delta`` underflows to 0 (and the gradient of ``exp`` NaN); the certificates read the
+same ``A``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Dict, Tuple, Union
+from typing import Any, ClassVar, Dict, List, Mapping, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
 from .. import bounds
 from .. import kernels as _kernels
 from .._validation import check_bool, check_cert_args, check_finite, check_int, check_real
 from ..exponents import Exponents
+from ..protocol import CapSlot, linear_cap_slots, softplus_ceiling
 
-__all__ = ["SelectiveScanMixer", "normalize_tokens", "DEFAULT_EPS"]
+__all__ = ["SelectiveScanMixer", "normalize_tokens", "decay_rates", "DEFAULT_EPS", "DT_BIAS_LOWER", "A_LOG_MAX"]
 
 #: Default ``eps`` of the per-token normalization ``x / sqrt(||x||^2 + eps)`` (LayerNorm's default).
 DEFAULT_EPS: float = 1e-5
+#: The fixed lower end of ``dt_proj.bias`` under :func:`certblocks.enforce` (``softplus(-30) < 1e-13``: a
+#: ``delta`` that small leaves the state unchanged); only the ``delta`` peak reads it.
+DT_BIAS_LOWER: float = -30.0
+#: The largest ``A_log`` the forward uses (``exp(88) = 1.65e38``: finite in float32).
+A_LOG_MAX: float = 88.0
+
+
+def decay_rates(A_log: torch.Tensor) -> torch.Tensor:
+    """``A = -exp(min(A_log, A_LOG_MAX))`` in at least float32: finite, and so is its gradient."""
+    a = A_log if A_log.dtype == torch.float64 else A_log.float()
+    return -torch.exp(a.clamp(max=A_LOG_MAX))
 
 
 def normalize_tokens(x: torch.Tensor, dim: int, eps: float) -> torch.Tensor:
@@ -221,7 +239,7 @@ class SelectiveScanMixer(nn.Module):
         dt = F.linear(dt, self.dt_proj.weight).transpose(1, 2)  # (B, d_inner, L), bias added in the scan
         B = B.transpose(1, 2).contiguous()  # (B, d_state, L)
         C = C.transpose(1, 2).contiguous()
-        A = -torch.exp(self.A_log.float())  # (d_inner, d_state)
+        A = decay_rates(self.A_log)  # (d_inner, d_state)
         y = _kernels.selective_scan(
             x, dt, A, B, C, self.D.float(), z=z, delta_bias=self.dt_proj.bias.float(), delta_softplus=True,
             gate=self._gate, return_last_state=ssm_state is not None, backend=self.backend,
@@ -267,7 +285,7 @@ class SelectiveScanMixer(nn.Module):
         x_db = self.x_proj(self._param_input(x, dim=-1))  # (B, dt_rank + 2 d_state)
         dt, B, C = torch.split(x_db, [self.dt_rank, self.d_state, self.d_state], dim=-1)
         dt = F.linear(dt, self.dt_proj.weight)  # (B, d_inner)
-        A = -torch.exp(self.A_log.float())
+        A = decay_rates(self.A_log)
         y = _kernels.selective_state_update(ssm_state, x, dt, A, B, C, self.D.float(), z=z,
                                             dt_bias=self.dt_proj.bias.float(), dt_softplus=True, gate=self._gate)
         return self.out_proj(y).unsqueeze(1), conv_state, ssm_state
@@ -359,7 +377,7 @@ class SelectiveScanMixer(nn.Module):
             "conv_b": g(self.conv1d.bias) if self.conv1d.bias is not None else W_in.new_zeros(self.d_inner),
             "W_dt": Wxp[:r], "W_B": Wxp[r: r + n], "W_C": Wxp[r + n:],
             "dt_w": g(self.dt_proj.weight), "dt_b": g(self.dt_proj.bias),
-            "A": -torch.exp(g(self.A_log)), "D": g(self.D),
+            "A": decay_rates(g(self.A_log)), "D": g(self.D),
             "W_out": g(self.out_proj.weight),
             "b_out": g(self.out_proj.bias) if self.out_proj.bias is not None else W_in.new_zeros(self.d_model),
         }
@@ -388,13 +406,63 @@ class SelectiveScanMixer(nn.Module):
             "WB": bounds.op_norm(w["W_B"]), "WC": bounds.op_norm(w["W_C"]), "Wout": bounds.op_norm(w["W_out"]),
             "bout": bounds.vec_norm(w["b_out"]), "Dmax": bounds.vec_inf_norm(w["D"]),
             "M_rows_max": bounds.row_norm_max(M), "b_dt_pos_max": float(w["dt_b"].clamp(min=0).max()),
+            "Wx": bounds.op_norm(w["W_x"]), "bx": bounds.vec_norm(w["b_x"]),
+            "xproj": bounds.op_norm(torch.cat([w["W_dt"], w["W_B"], w["W_C"]])),
+            "dt_b_abs_max": bounds.vec_inf_norm(w["dt_b"]),
+        }
+
+    # ------------------------------------------------------------------ enforce
+    def cap_slots(self) -> List[CapSlot]:
+        """The tensors both certificates read, for :func:`certblocks.enforce` (keys of :meth:`_constants_from_caps`).
+
+        ``in_proj`` in two row blocks (``a_x``, ``a_z``; biases ``beta_x``, ``beta_z``), the conv taps (largest
+        absolute entry ``w_conv``) and bias (``beta_conv``), ``x_proj`` in three row blocks (``a_dt``, ``a_B``,
+        ``a_C``), ``dt_proj.weight`` (``a_dtw``), ``dt_proj.bias`` (``"softplus"``: ``max softplus(b) <= delta_b``,
+        entries at least :data:`DT_BIAS_LOWER`), ``D`` (largest absolute entry ``D``), ``out_proj`` (``a_out``,
+        ``beta_out``).  ``A_log`` is not capped: every decay ``exp(delta A)`` is at most 1 whatever it is, and the
+        worst case takes that bound.
+        """
+        n, r = self.d_inner, self.dt_rank
+        slots = linear_cap_slots(self.in_proj, (n, n), ("a_x", "a_z"), ("beta_x", "beta_z"))
+        slots.append(CapSlot(self.conv1d, "weight", "clamp", (n,), ("w_conv",)))
+        if self.conv1d.bias is not None:
+            slots.append(CapSlot(self.conv1d, "bias", "vector", (n,), ("beta_conv",)))
+        slots += [CapSlot(self.x_proj, "weight", "matrix", (r, self.d_state, self.d_state), ("a_dt", "a_B", "a_C")),
+                  CapSlot(self.dt_proj, "weight", "matrix", (n,), ("a_dtw",)),
+                  CapSlot(self.dt_proj, "bias", "softplus", (n,), ("delta_b",), lower=DT_BIAS_LOWER),
+                  CapSlot(self, "D", "clamp", (n,), ("D",))]
+        return slots + linear_cap_slots(self.out_proj, (self.d_model,), ("a_out",), ("beta_out",))
+
+    def _constants_from_caps(self, caps: Mapping[str, float], seq_len: int) -> Dict[str, float]:
+        """The norms of :meth:`_common_constants` bounded by caps on the tensors of :meth:`cap_slots` (float64).
+
+        ``||diag(w_k) W_x|| <= w_conv a_x`` gives ``a <= K' w_conv a_x`` and ``b_c <= K w_conv beta_x + beta_conv``;
+        the rows of ``M = dt_proj.weight W_dt`` have norms ``<= a_dtw a_dt``; a stack of row blocks has norm
+        ``<= sqrt(sum of their squares)``; the ``delta`` bias lies in ``[DT_BIAS_LOWER, softplus^-1(delta_b)]``.
+        Each quantity is raised by the rounding of its few float64 operations.
+        """
+        cap = lambda key: float(caps.get(key, 0.0))  # noqa: E731  (absent: a bias-free layer)
+        K = self.d_conv
+        kk = min(K, seq_len)
+        up = bounds.rounded_up
+        hi = softplus_ceiling(cap("delta_b"))
+        return {
+            "a": up(kk * cap("w_conv") * cap("a_x"), 2),
+            "b_c": up(K * cap("w_conv") * cap("beta_x") + cap("beta_conv"), 3),
+            "Wz": cap("a_z"), "bz": cap("beta_z"), "WB": cap("a_B"), "WC": cap("a_C"), "Wout": cap("a_out"),
+            "bout": cap("beta_out"), "Dmax": cap("D"), "M_rows_max": up(cap("a_dtw") * cap("a_dt")),
+            "b_dt_pos_max": max(hi, 0.0), "Wx": cap("a_x"), "bx": cap("beta_x"),
+            "xproj": up(math.sqrt(cap("a_dt") ** 2 + cap("a_B") ** 2 + cap("a_C") ** 2), 5),
+            "dt_b_abs_max": max(abs(hi), abs(DT_BIAS_LOWER)), "dt_b_max": hi,
         }
 
     def _cert_name(self) -> str:
-        return type(self).__name__ + ("" if self.layer_idx is None else f"[{self.layer_idx}]")
+        name = parametrize.type_before_parametrizations(self).__name__  # enforce parametrizes D on the block itself
+        return name + ("" if self.layer_idx is None else f"[{self.layer_idx}]")
 
     def _check_cert_args(self, seq_len: object, r0: object) -> Tuple[int, float | None]:
-        L, r = check_cert_args(seq_len, r0, block=type(self).__name__, needs_seq_len=True)  # type: ignore[arg-type]
+        L, r = check_cert_args(seq_len, r0, block=parametrize.type_before_parametrizations(self).__name__,
+                               needs_seq_len=True)  # type: ignore[arg-type]
         check_finite(self)
         assert L is not None
         return L, r

@@ -331,27 +331,24 @@ class GatedMLP(nn.Module):
             c=bounds.sandwich_norm(w2, wg, 0.0, 1.0, a_norm=n2, b_norm=ng)))
 
     def cap_slots(self) -> List[CapSlot]:
-        """``fc1`` in two row blocks (value ``ag``/``betag``, gate ``au``/``betau``) and ``fc2`` (``a2``, ``beta2``).
-
-        Raises:
-            TypeError: for ``gate="silu"`` (SwiGLU, q = 2: no cap certifies it in depth).
-        """
-        self._check_enforceable()
+        """``fc1`` in two row blocks (value ``ag``/``betag``, gate ``au``/``betau``) and ``fc2`` (``a2``, ``beta2``)."""
         h = self.hidden_dim
         return linear_cap_slots(self.fc1, (h, h), ("ag", "au"), ("betag", "betau")) + \
             linear_cap_slots(self.fc2, (self.dim,), ("a2",), ("beta2",))
 
     def certificate_from_caps(self, caps: Mapping[str, float], *, seq_len: Optional[int] = None) -> BlockCertificate:
-        """The certificate that holds while every part of ``fc1`` and ``fc2`` is within its cap (sigmoid gate)."""
-        self._check_enforceable()
-        a2, ag, au, betag = caps["a2"], caps["ag"], caps["au"], caps.get("betag", 0.0)
-        return self._certificate(GatedNorms(w2=a2, wg=ag, wu=au, rg=ag, bg=betag, bu=caps.get("betau", 0.0),
-                                            b2=caps.get("beta2", 0.0), bg_inf=betag, c=a2 * ag))
+        """The certificate that holds while every part of ``fc1`` and ``fc2`` is within its cap (either gate).
 
-    def _check_enforceable(self) -> None:
-        if self.gate != "sigmoid":
-            raise TypeError(f"GatedMLP(gate={self.gate!r}) has q = 2 and cannot be certified in depth; "
-                            "use gate='sigmoid'")
+        A row norm of a part is at most its spectral norm, an entry of a bias at most its Euclidean norm.  For
+        ``gate="silu"`` this is the ``(2, 1)`` certificate: a stack of SwiGLU updates is certified for a finite
+        depth only (its radius grows doubly exponentially), which :func:`certblocks.enforce` plans for.
+        """
+        a2, ag, au, betag = caps["a2"], caps["ag"], caps["au"], caps.get("betag", 0.0)
+        betau, beta2 = caps.get("betau", 0.0), caps.get("beta2", 0.0)
+        if self.gate == "silu":
+            return self._swiglu_from_norms(a2, ag, au, ag, au, betag, betau, betag, betau, beta2)
+        return self._certificate(GatedNorms(w2=a2, wg=ag, wu=au, rg=ag, bg=betag, bu=betau,
+                                            b2=beta2, bg_inf=betag, c=a2 * ag))
 
     def _certificate(self, n: GatedNorms) -> BlockCertificate:
         """The sigmoid-gated certificate from its norms: the formula behind both certificate methods.
@@ -374,9 +371,14 @@ class GatedMLP(nn.Module):
                             bu: Optional[torch.Tensor], n2: float, ng: float, nu: float,
                             nb2: float) -> BlockCertificate:
         """SwiGLU ``(2, 1)``: ``||a * silu(u)|| <= min(||a||_inf ||u||_2, ||a||_2 ||u||_inf)``, each factor affine."""
-        rg, ru = bounds.row_norm_max(wg), bounds.row_norm_max(wu)
-        bg2, bu2 = bounds.vec_norm(bg), bounds.vec_norm(bu)
-        bgi, bui = bounds.vec_inf_norm(bg), bounds.vec_inf_norm(bu)
+        return self._swiglu_from_norms(n2, ng, nu, bounds.row_norm_max(wg), bounds.row_norm_max(wu),
+                                       bounds.vec_norm(bg), bounds.vec_norm(bu), bounds.vec_inf_norm(bg),
+                                       bounds.vec_inf_norm(bu), nb2)
+
+    def _swiglu_from_norms(self, n2: float, ng: float, nu: float, rg: float, ru: float, bg2: float, bu2: float,
+                           bgi: float, bui: float, nb2: float) -> BlockCertificate:
+        """The SwiGLU certificate from its norms (``r``: largest row norm, ``b*2``/``b*i``: Euclidean / largest entry
+        of a bias): the formula behind :meth:`certificate` and :meth:`certificate_from_caps`."""
         best = product = None
         for (p1, q1), (p2, q2) in (((rg, bgi), (nu, bu2)), ((ng, bg2), (ru, bui))):
             quad, lin, const = p1 * p2, p1 * q2 + q1 * p2, q1 * q2

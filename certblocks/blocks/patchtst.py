@@ -185,9 +185,17 @@ class PatchTSTUpdate(nn.Module):
                                       placement=self.placement, kind=self.norm, name=name)
 
     def _check_enforceable(self) -> EnforceableBlock:
+        if self.norm == "batch" and self.placement in ("pre", "peri"):
+            raise TypeError(
+                f"PatchTSTUpdate with norm='batch', placement={self.placement!r} is not supported by enforce: its "
+                "certificate is for eval mode, where BatchNorm is x -> a * x + c with a = weight / sqrt(running_var + "
+                "eps) and c = bias - a * running_mean; the running statistics are buffers that every training step "
+                "overwrites, and no cap on the parameters bounds c (running_mean is unbounded; a is at most "
+                "|weight| / sqrt(eps)). Use norm='layer' or 'rms' (pre/peri), or norm=None")
         if self.norm is not None and (self.norm not in ("layer", "rms") or self.placement not in ("pre", "peri")):
             raise TypeError(f"PatchTSTUpdate with norm={self.norm!r}, placement={self.placement!r} is not supported by "
-                            "enforce (norm None, or 'layer'/'rms' with placement 'pre'/'peri')")
+                            "enforce (norm None, or 'layer'/'rms' with placement 'pre'/'peri'; post-norm is not a "
+                            "residual update)")
         if not isinstance(self.branch, EnforceableBlock):
             raise TypeError(f"enforce does not support the branch {type(self.branch).__name__}")
         return self.branch
