@@ -51,6 +51,8 @@ _LAZY: Dict[str, str] = {
     "Mamba": "certblocks.blocks",
     "CertificateMonitor": "certblocks.monitor",
     "CertificateWarning": "certblocks.monitor",
+    "trajectory": "certblocks.ondata",
+    "TrajectoryReport": "certblocks.ondata",
 }
 
 #: submodules that ``import certblocks`` used to load eagerly; reachable as attributes, loaded on first use.
@@ -75,6 +77,7 @@ if TYPE_CHECKING:  # what static checkers and IDEs see; nothing is imported at r
     from .enforcement import EnforceReport, enforce, unenforce
     from .exponents import Exponents
     from .monitor import CertificateMonitor, CertificateWarning
+    from .ondata import TrajectoryReport, trajectory
     from .stack import CertificationError, CertifiedStack, build_stack
     from .trace import certify, register_atom
 
@@ -109,6 +112,8 @@ __all__ = [
     "convert",
     "CertificateMonitor",
     "CertificateWarning",
+    "trajectory",
+    "TrajectoryReport",
     "enforce",
     "unenforce",
     "EnforceReport",

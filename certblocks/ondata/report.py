@@ -1,0 +1,309 @@
+"""The on-data certificate of one batch: per update figures, the trajectory bound and the headroom.
+
+Figures (``M`` the dtype's largest finite value, logs natural: headroom in nats):
+
+* forward: the largest per-token norm of every state ``X_0 .. X_D`` and the largest ``|entry|`` of every
+  intermediate (:attr:`UpdateTrajectory.peak`); ``forward_headroom = log M - log(max of them)``;
+* backward, the member (T) of the paper's chain (THEORY.md section 6), per sample ``s`` and maximized over the
+  batch factor by factor: ``log ||p_0|| <= log ||p_D|| + sum_k log(||P_k|| + dt ||Dv_k(X_k)||)`` (a map: ``log
+  ||Dm_k(X_k)||``); ``backward_headroom = log M - log_gradient_bound``;
+* ``headroom = min(forward_headroom, backward_headroom)``: negative when the batch overflows the dtype.
+
+Two versions of the backward side: :attr:`TrajectoryReport.log_gradient_bound` uses the Lanczos estimates of
+``||Dv_k||`` (from below: an **estimate** of the bound, reported with its convergence);
+:attr:`TrajectoryReport.log_gradient_bound_certified` uses certified upper bounds of every factor (``None``
+where one has none) and is a bound of ``||p_0||`` for every sample of the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from .._format import fmt_num
+
+__all__ = ["UpdateTrajectory", "HeadTrajectory", "TrajectoryReport", "QUANTITIES"]
+
+#: The quantities an on-data alert can name.
+QUANTITIES = ("state norm", "logits", "intermediate", "Jacobian", "head")
+
+
+def _log(x: Optional[float]) -> float:
+    if x is None or math.isnan(x) or x == math.inf:
+        return math.inf
+    return math.log(x) if x > 0 else -math.inf
+
+
+@dataclass
+class UpdateTrajectory:
+    """One segment of the trajectory: a residual update ``X + dt v(X)`` or a map ``m(X)``, on the batch.
+
+    Attributes:
+        name: the update's name (module path, as :func:`certblocks.certify` or the model names it).
+        kind: ``"update"``, ``"block"`` (a residual block with a projection shortcut, as one map) or ``"map"``.
+        state_norm: largest per-token norm of the input state ``X_k`` on the batch.
+        out_norm: largest per-token norm of the state after the segment.
+        jacobian_norm: the Lanczos estimate (from below) of ``max_s ||Dv_k(X_k^s)||_2`` (whole-sample spectral
+            norm; for a map, of ``Dm_k``); ``inf`` when the Jacobian overflows.
+        jacobian_bound: a certified upper bound of the same norm, or ``None``.
+        bound_source: where :attr:`jacobian_bound` comes from: ``"dense"`` (the whole float64 Jacobian of each
+            sample, rigorous spectral norm bound) or ``"certificate"`` (``sqrt(n) L_k(R)``: the block's Jacobian
+            bound in the per-token norm at the batch's radius ``R``, ``n`` tokens), or ``""``.
+        steps: Lanczos steps run; ``converged`` and ``change`` (relative change over the last step) tell how far.
+        jvp: the Jacobian-vector product used (``forward``, ``double`` or ``central``).
+        peak: largest ``|entry|`` of every intermediate the segment computes on the batch, its output included.
+        dt: the residual step (``P = I``); 0 for a map.
+        log_factor: ``log(1 + dt jacobian_norm)`` (a map or block: ``log jacobian_norm``), nats of backward
+            headroom used.
+        log_factor_certified: the same with :attr:`jacobian_bound`, or ``None``.
+        kappa: ``max_h ||W_Q^{hT} W_K^h||`` of an attention update (estimate from below), else ``None``.
+        max_logit: largest ``|logit|`` of an attention update on the batch, else ``None``.
+    """
+
+    name: str
+    kind: str
+    state_norm: float
+    out_norm: float
+    jacobian_norm: float
+    jacobian_bound: Optional[float]
+    bound_source: str
+    steps: int
+    converged: bool
+    change: float
+    jvp: str
+    peak: float
+    dt: float
+    kappa: Optional[float] = None
+    max_logit: Optional[float] = None
+
+    @property
+    def log_factor(self) -> float:
+        return _factor(self.kind, self.dt, self.jacobian_norm)
+
+    @property
+    def log_factor_certified(self) -> Optional[float]:
+        return None if self.jacobian_bound is None else _factor(self.kind, self.dt, self.jacobian_bound)
+
+    @property
+    def forward_max(self) -> float:
+        """The largest forward quantity of the segment: its output state's norm or its peak (NaN counts as inf)."""
+        vals = [self.out_norm, self.peak]
+        return math.inf if any(math.isnan(v) for v in vals) else max(vals)
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = asdict(self)
+        d.update(log_factor=self.log_factor, log_factor_certified=self.log_factor_certified)
+        return d
+
+
+def _nan_up(x: float) -> float:
+    return math.inf if math.isnan(x) else x
+
+
+def _factor(kind: str, dt: float, norm: float) -> float:
+    if math.isnan(norm):
+        return math.inf
+    if kind != "update":  # a map, or a block certified as one map (its shortcut inside): no "1 +"
+        return _log(norm)
+    return math.log1p(dt * norm) if norm != math.inf else math.inf
+
+
+@dataclass
+class HeadTrajectory:
+    """The costate entering the last state, ``||p_D||`` (largest over the batch's samples).
+
+    Attributes:
+        source: ``"loss"`` (the loss's gradient at ``X_D`` by autograd: exact on the batch), ``"jacobian"``
+            (``||DG(X_D)||`` by Lanczos times :attr:`loss_gradient`) or ``"lip_g"`` (the certificate's
+            ``Lip(G)``: the head could not be evaluated, e.g. a :class:`~certblocks.CertifiedStack` whose output
+            is its last state).
+        norm: ``||p_D||`` (``source="loss"``) or the bound used for it.
+        norm_certified: a certified bound of ``||p_D||``, or ``None``.
+        state_norm: largest per-token norm of ``X_D``.
+        peak: largest ``|entry|`` of the head's intermediates (0 when not evaluated).
+        loss_gradient: the bound on the loss gradient in the head's output used with ``"jacobian"``.
+        detail: how :attr:`norm` was obtained, in words.
+    """
+
+    source: str
+    norm: float
+    norm_certified: Optional[float]
+    state_norm: float
+    peak: float
+    loss_gradient: float = 1.0
+    detail: str = ""
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class TrajectoryReport:
+    """The on-data certificate of a batch (module docstring): :func:`certblocks.trajectory` returns it.
+
+    Attributes:
+        model: the model's class name.
+        dtype: the dtype whose largest finite value ``M`` the headroom refers to.
+        updates: one :class:`UpdateTrajectory` per segment, in depth order.
+        head: the costate at the last state.
+        batch_size, tokens: samples in the batch, tokens per sample (of the state).
+        notes: what the figures assumed.
+        seconds: wall time of the computation.
+    """
+
+    model: str
+    dtype: str
+    log_max: float
+    updates: List[UpdateTrajectory]
+    head: HeadTrajectory
+    batch_size: int
+    tokens: int
+    notes: List[str] = field(default_factory=list)
+    seconds: float = 0.0
+    input_norm: float = 0.0
+    stem_peak: float = 0.0
+
+    # -- the whole ------------------------------------------------------------------------------------------
+    @property
+    def log_gradient_bound(self) -> float:
+        """``log ||p_D|| + sum_k log_factor``: the (T) bound with the Lanczos estimates (an estimate); ``inf`` when a
+        factor is infinite and ``p_D`` is 0 (``0 * inf``: a costate that underflowed is not taken as a zero)."""
+        return _nan_up(_log(self.head.norm) + sum(u.log_factor for u in self.updates))
+
+    @property
+    def log_gradient_bound_certified(self) -> Optional[float]:
+        """The (T) bound with certified factors, or ``None`` when a factor (or the head) has no certified bound."""
+        if self.head.norm_certified is None or any(u.log_factor_certified is None for u in self.updates):
+            return None
+        return _nan_up(_log(self.head.norm_certified)
+                       + sum(u.log_factor_certified for u in self.updates))  # type: ignore[misc]
+
+    @property
+    def forward_max(self) -> float:
+        """Largest state norm or intermediate on the trajectory (the stem's output ``X_0`` and the head included)."""
+        vals = [self.input_norm, self.stem_peak, self.head.state_norm, self.head.peak]
+        vals += [u.forward_max for u in self.updates]
+        return math.inf if any(math.isnan(v) for v in vals) else max(vals)
+
+    @property
+    def forward_headroom(self) -> float:
+        return self.log_max - _log(self.forward_max)
+
+    @property
+    def backward_headroom(self) -> float:
+        return self.log_max - self.log_gradient_bound
+
+    @property
+    def backward_headroom_certified(self) -> Optional[float]:
+        b = self.log_gradient_bound_certified
+        return None if b is None else self.log_max - b
+
+    @property
+    def headroom(self) -> float:
+        """``min(forward, backward)`` headroom in nats (estimate on the backward side); negative: overflow."""
+        return min(self.forward_headroom, self.backward_headroom)
+
+    @property
+    def headroom_certified(self) -> Optional[float]:
+        """The headroom with the certified backward bound (``None`` without one)."""
+        b = self.backward_headroom_certified
+        return None if b is None else min(self.forward_headroom, b)
+
+    @property
+    def ok(self) -> bool:
+        """The batch stays below ``M`` on both sides (estimated headroom > 0)."""
+        return self.headroom > 0
+
+    @property
+    def converged(self) -> bool:
+        return all(u.converged for u in self.updates)
+
+    def worst(self) -> Tuple[str, str, float]:
+        """``(update, quantity, nats)``: what consumes the most headroom on the binding side (``nats``: the log of the
+        forward quantity, or the backward factor).
+
+        Forward side binding: the segment with the largest forward quantity (``"state norm"``, ``"logits"`` when
+        its peak is an attention logit or the head's output, else ``"intermediate"``).  Backward side: the segment
+        with the largest factor (``"Jacobian"``), or the head (``"head"``) when ``log ||p_D||`` is larger.
+        """
+        if self.forward_headroom <= self.backward_headroom:
+            cands = [(u.forward_max, u.name, self._fwd_quantity(u)) for u in self.updates]
+            cands.append((max(self.head.state_norm, self.head.peak), "head",
+                          "state norm" if self.head.state_norm >= self.head.peak else "logits"))
+            cands.append((max(self.input_norm, self.stem_peak), "stem",
+                          "state norm" if self.input_norm >= self.stem_peak else "intermediate"))
+            val, name, qty = max(cands, key=lambda c: c[0])
+            return name, qty, _log(val)
+        cands2 = [(u.log_factor, u.name, "Jacobian") for u in self.updates]
+        cands2.append((_log(self.head.norm), "head", "head"))
+        val2, name, qty = max(cands2, key=lambda c: c[0])
+        return name, qty, val2
+
+    @staticmethod
+    def describe(quantity: str, nats: float) -> str:
+        """``worst()``'s quantity and value in words: a forward quantity by its size, a factor in nats."""
+        if quantity in ("Jacobian", "head"):
+            return f"{quantity}, {nats:.4g} nats"
+        return f"{quantity} {fmt_num(math.exp(nats) if nats < 700 else math.inf)}"
+
+    @staticmethod
+    def _fwd_quantity(u: UpdateTrajectory) -> str:
+        if u.out_norm >= u.peak:
+            return "state norm"
+        if u.max_logit is not None and u.max_logit >= 0.5 * u.peak:
+            return "logits"
+        return "intermediate"
+
+    # -- rendering ------------------------------------------------------------------------------------------
+    def to_dict(self) -> Dict[str, Any]:
+        name, qty, nats = self.worst()
+        return {"model": self.model, "dtype": self.dtype, "log_max": self.log_max, "batch_size": self.batch_size,
+                "tokens": self.tokens, "input_norm": self.input_norm, "stem_peak": self.stem_peak,
+                "updates": [u.to_dict() for u in self.updates],
+                "head": self.head.to_dict(), "log_gradient_bound": self.log_gradient_bound,
+                "log_gradient_bound_certified": self.log_gradient_bound_certified,
+                "forward_max": self.forward_max, "forward_headroom": self.forward_headroom,
+                "backward_headroom": self.backward_headroom, "headroom": self.headroom,
+                "headroom_certified": self.headroom_certified, "ok": self.ok, "converged": self.converged,
+                "worst": {"update": name, "quantity": qty, "nats": nats}, "notes": list(self.notes),
+                "seconds": self.seconds}
+
+    def explain(self) -> str:
+        """A table per segment, then the bound, the headroom and what consumes it."""
+        lines = [f"on-data certificate of {self.model} on a batch of {self.batch_size} x {self.tokens} tokens, "
+                 f"{self.dtype} (log M = {self.log_max:.4g} nats)"]
+        head = ("update", "kind", "|X_k|", "peak", "|Dv| est", "steps", "|Dv| cert", "log factor", "kappa", "logit")
+        rows = [head]
+        for u in self.updates:
+            rows.append((u.name, u.kind, fmt_num(u.state_norm), fmt_num(u.peak), fmt_num(u.jacobian_norm),
+                         f"{u.steps}{'' if u.converged else '*'}",
+                         "-" if u.jacobian_bound is None else f"{fmt_num(u.jacobian_bound)} ({u.bound_source})",
+                         fmt_num(u.log_factor), "-" if u.kappa is None else fmt_num(u.kappa),
+                         "-" if u.max_logit is None else fmt_num(u.max_logit)))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        for r in rows:
+            cells = (c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+            lines.append("  " + "  ".join(cells))
+        if not self.converged:
+            lines.append("  * not converged (relative change above the tolerance): the estimate may be low")
+        h = self.head
+        lines.append(f"head: ||p_D|| {'=' if h.source == 'loss' else '<='} {fmt_num(h.norm)} ({h.source}: {h.detail})"
+                     + ("" if h.norm_certified is None or h.source == "loss"
+                        else f", certified {fmt_num(h.norm_certified)}"))
+        cert = self.log_gradient_bound_certified
+        lines.append(f"log ||p_0|| <= {self.log_gradient_bound:.4g} (estimate: Lanczos factors, from below)"
+                     + (f"; certified: {cert:.4g}" if cert is not None else "; certified: none (a factor has no "
+                        "certified bound)"))
+        lines.append(f"forward: largest state norm or intermediate {fmt_num(self.forward_max)}")
+        name, qty, nats = self.worst()
+        verdict = "ok" if self.ok else "OVERFLOWS" if self.headroom < 0 else "at the limit"
+        hc = self.headroom_certified
+        lines.append(f"headroom {self.headroom:.4g} nats (forward {self.forward_headroom:.4g}, backward "
+                     f"{self.backward_headroom:.4g}{'' if hc is None else f'; certified {hc:.4g}'}): {verdict}; "
+                     f"most consumed by {name!r} ({self.describe(qty, nats)})")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.explain()

@@ -1,0 +1,571 @@
+"""Where the trajectory comes from: a model's own updates (module hooks) or its captured graph.
+
+Both give the same thing, a list of :class:`Step` (the input state ``X_k`` of each segment on the batch and the
+segment as a function of that state alone, every other input held at its value on the batch) and a
+:class:`Head` (the map from the last state to the output, or the costate ``p_D``):
+
+* :func:`module_steps` -- a :class:`~certblocks.CertifiedStack` or a zoo model: one forward on the batch with
+  hooks on the velocities (:func:`certblocks.monitor.residual_updates`); a velocity is called again on its
+  captured input; the head is the model's forward with the last update's output replaced so that the last
+  state is the argument;
+* :func:`calls_steps` -- the same from calls the :class:`~certblocks.CertificateMonitor`'s hooks captured in the
+  training forward (no forward here);
+* :func:`graph_steps` -- any other module: its graph on the batch (:func:`certblocks.trace.capture`, as
+  :func:`certblocks.certify` finds the updates, the maps between them, the stem and the head); a segment is
+  evaluated node by node from its input, the other nodes read at their value on the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from ..blocks.gain import ScaledBranch
+from ..certificate import BlockCertificate
+from ..testing.record import largest_intermediate
+
+__all__ = ["Step", "Head", "Call", "module_steps", "calls_steps", "graph_steps", "token_norm_max",
+           "attention_kappa", "attention_max_logit", "attention_module"]
+
+Fn = Callable[[Tensor], Tensor]
+
+
+# ------------------------------------------------------------------------------------------------ small helpers
+def token_norm_max(t: Optional[Tensor]) -> float:
+    """Largest per-token norm (Euclidean over the last dimension) of ``t``; NaN counts as ``inf``."""
+    if t is None or t.numel() == 0:
+        return 0.0
+    n = torch.linalg.vector_norm(t.detach().to(torch.float64), dim=-1)
+    if torch.isnan(n).any():
+        return math.inf
+    return float(n.max())
+
+
+def tokens_of(t: Tensor) -> int:
+    """Tokens per sample of a state ``(B, ..., d)``: the product of the middle dimensions (1 for ``(B, d)``)."""
+    return max(1, math.prod(t.shape[1:-1])) if t.ndim >= 2 else 1
+
+
+def _abs_max(t: Any) -> float:
+    """Largest ``|entry|`` of a floating tensor, masked-logit sentinels (``<= finfo.min / 4``, ``-inf``) left out."""
+    if not isinstance(t, Tensor) or not t.is_floating_point() or t.numel() == 0:
+        return 0.0
+    t = t.detach()
+    t = t.masked_fill(t <= torch.finfo(t.dtype).min / 4, 0.0)
+    a = t.abs().to(torch.float64)
+    return math.inf if torch.isnan(a).any() else float(a.max())
+
+
+def _attention_like(m: nn.Module) -> bool:
+    from ..blocks import Attention, QKNormAttention
+
+    return isinstance(m, (Attention, QKNormAttention))
+
+
+def attention_module(m: nn.Module) -> Optional[nn.Module]:
+    """The certblocks attention inside a velocity (itself, a gained branch's, a pre-normalized one's), or ``None``."""
+    for sub in m.modules():
+        if _attention_like(sub):
+            return sub
+    return None
+
+
+def _power(mv: Callable[[Tensor], Tensor], rmv: Callable[[Tensor], Tensor], v: Tensor, iters: int
+           ) -> Tuple[Tensor, Tensor]:
+    """``iters`` power iterations on ``A^T A`` (batched over the first axis); ``(||A v||, v)`` with ``||v|| = 1``."""
+    for _ in range(iters):
+        v = rmv(mv(v))
+        n = v.norm(dim=-1, keepdim=True)
+        v = torch.where(n > 0, v / n.clamp_min(1e-300), v)
+    return mv(v).norm(dim=-1), v
+
+
+@torch.no_grad()
+def attention_kappa(m: nn.Module, v0: Optional[Tensor] = None, iters: int = 50,
+                    gen: Optional[torch.Generator] = None) -> Tuple[float, Tensor]:
+    """``max_h ||W_Q^{hT} W_K^h||`` by power iteration (an estimate from below) and the vectors reached.
+
+    Args:
+        m: a certblocks ``Attention`` / ``QKNormAttention``.
+        v0: the previous call's vectors ``(heads, dim)`` (warm start), or ``None`` (random start).
+        iters: power iterations.
+        gen: generator of the random start.
+    """
+    D, H, hd = m.dim, m.num_heads, m.head_dim
+    w = m.in_proj.weight.detach().to("cpu", torch.float64)
+    wq = w[:D].reshape(H, hd, D)
+    wk = w[D:2 * D].reshape(H, hd, D)
+    mv = lambda v: torch.einsum("hkd,hk->hd", wq, torch.einsum("hkd,hd->hk", wk, v))  # Wq_h^T Wk_h v
+    rmv = lambda u: torch.einsum("hkd,hk->hd", wk, torch.einsum("hkd,hd->hk", wq, u))
+    if v0 is None or tuple(v0.shape) != (H, D):
+        v0 = torch.randn(H, D, generator=gen, dtype=torch.float64)
+        v0 = v0 / v0.norm(dim=-1, keepdim=True)
+    sigma, v = _power(mv, rmv, v0, iters)
+    return float(sigma.max()), v
+
+
+@torch.no_grad()
+def attention_max_logit(m: nn.Module, x: Tensor, samples: int = 8) -> float:
+    """Largest ``|s q_i . k_j|`` over the causal pairs (all pairs without a causal mask) of the first ``samples``."""
+    xs = x.detach()[:samples]
+    if xs.ndim != 3:
+        return math.nan
+    q, k, _ = m._qkv(xs, fast=False)  # (B, nh, T, hs)
+    logits = (q.double() @ k.double().transpose(-2, -1)).abs() * m.scale
+    if m.causal:
+        T = logits.shape[-1]
+        logits = logits.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=logits.device).tril(), 0.0)
+    return float(logits.max())
+
+
+# ------------------------------------------------------------------------------------------------ what is evaluated
+@dataclass
+class Step:
+    """One segment on the batch: ``fn`` maps its input state ``x`` to the velocity (an update) or the next state.
+
+    ``fn64`` is its float64 twin (``None``: none), ``peak()`` returns ``(largest intermediate, largest attention
+    logit or None)``, ``kappa()`` the attention's query-key coefficient (``None``: not an attention update).
+    """
+
+    name: str
+    kind: str
+    x: Tensor
+    fn: Fn
+    out_norm: float
+    dt: float = 1.0
+    fn64: Optional[Fn] = None
+    cert: Optional[BlockCertificate] = None
+    peak: Callable[[], Tuple[float, Optional[float]]] = lambda: (0.0, None)
+    kappa: Optional[Callable[[], float]] = None
+    key: str = ""
+
+
+@dataclass
+class Head:
+    """The last state ``x`` and how the costate there is obtained.
+
+    ``loss_fn`` maps the last state to a scalar loss (``p_D`` by autograd, exact); else ``fn`` maps it to the
+    output (``||DG||`` by Lanczos, times ``loss_gradient``); else ``p`` is the measured costate; else ``lip_g``.
+    """
+
+    x: Tensor
+    fn: Optional[Fn] = None
+    loss_fn: Optional[Fn] = None
+    p: Optional[Tensor] = None
+    lip_g: Optional[float] = None
+    loss_gradient: float = 1.0
+    cert: Optional[BlockCertificate] = None
+    fn64: Optional[Fn] = None
+    peak: Callable[[], float] = lambda: 0.0
+    detail: str = ""
+
+
+@dataclass
+class Source:
+    """What :func:`module_steps` / :func:`graph_steps` return."""
+
+    steps: List[Step]
+    head: Head
+    input_norm: float
+    stem_peak: float = 0.0
+    notes: List[str] = field(default_factory=list)
+
+
+def _floating_outputs(out: Any) -> List[Tensor]:
+    from ..trace.capture import _flatten_output
+
+    return [t for t in _flatten_output(out) if isinstance(t, Tensor) and t.is_floating_point()]
+
+
+def split_output(out: Any) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """``(main output, scalar loss)`` of a model's output: the first floating tensor that is not a scalar, and
+    the first floating scalar (a loss the model computed from its targets), each ``None`` when absent."""
+    ts = _floating_outputs(out)
+    main = next((t for t in ts if t.ndim > 0), None)
+    loss = next((t for t in ts if t.ndim == 0), None)
+    return main, loss
+
+
+# ------------------------------------------------------------------------------------------------ module path
+@dataclass
+class Call:
+    """One captured call of a velocity: the module, its input state, the other arguments and its output."""
+
+    name: str
+    module: nn.Module
+    x: Tensor
+    args: Tuple[Any, ...] = ()
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+    out: Optional[Tensor] = None
+
+
+def _call_fn(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Fn:
+    """The velocity as a function of its input; a fused QK-norm (a custom autograd function without forward-mode
+    or double-backward rules) runs as its plain composition during the call (same values up to rounding)."""
+    fused = [m for m in module.modules() if getattr(m, "fused_qk_norm", None) is True]
+
+    def f(x: Tensor) -> Tensor:
+        for m in fused:
+            m.fused_qk_norm = False
+        try:
+            return module(x, *args, **kwargs)
+        finally:
+            for m in fused:
+                m.fused_qk_norm = True
+    return f
+
+
+def _call_fn64(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Fn:
+    """The velocity in float64: parameters and buffers cast (``functional_call``), no autocast."""
+    params = {k: (v.detach().to(torch.float64) if v.is_floating_point() else v)
+              for k, v in list(module.named_parameters()) + list(module.named_buffers())}
+    cast = lambda a: a.to(torch.float64) if isinstance(a, Tensor) and a.is_floating_point() else a
+    args64 = tuple(cast(a) for a in args)
+    kwargs64 = {k: cast(v) for k, v in kwargs.items()}
+
+    def f(x: Tensor) -> Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            return torch.func.functional_call(module, params, (x, *args64), kwargs64)
+    return f
+
+
+def _peak_fn(fn: Fn, x: Tensor, attn: Optional[nn.Module], samples: int) -> Callable[[], Tuple[float, Optional[float]]]:
+    def peak() -> Tuple[float, Optional[float]]:
+        seen: List[Tensor] = []
+        handle = None
+        if attn is not None:
+            handle = attn.register_forward_pre_hook(
+                lambda mod, args, kwargs: seen.append(args[0] if args else next(iter(kwargs.values()))),
+                with_kwargs=True)
+        try:
+            val = float(largest_intermediate(fn, x.detach()).detach())
+        finally:
+            if handle is not None:
+                handle.remove()
+        if math.isnan(val):
+            val = math.inf
+        logit = attention_max_logit(attn, seen[0], samples) if attn is not None and seen else None
+        return val, logit
+    return peak
+
+
+def calls_steps(calls: Sequence[Call], dt: float, certs: Optional[Sequence[Optional[BlockCertificate]]] = None,
+                logit_samples: int = 8, kappa: Optional[Callable[[int, nn.Module], float]] = None) -> List[Step]:
+    """Steps from captured velocity calls (in depth order, ``X_{k+1} = X_k + dt v_k(X_k)``)."""
+    steps = []
+    for k, c in enumerate(calls):
+        x = c.x.detach()
+        fn = _call_fn(c.module, c.args, c.kwargs)
+        out = c.out.detach() if c.out is not None else None
+        if out is None:
+            with torch.no_grad():
+                out = fn(x)
+        attn = attention_module(c.module)
+        kap = None
+        if attn is not None:
+            kap = (lambda a=attn, k=k: kappa(k, a)) if kappa is not None else (lambda a=attn: attention_kappa(a)[0])
+        steps.append(Step(c.name, "update", x, fn, token_norm_max(x + dt * out.to(x.dtype)), dt=dt,
+                          fn64=_call_fn64(c.module, c.args, c.kwargs), cert=None if certs is None else certs[k],
+                          peak=_peak_fn(fn, x, attn, logit_samples), kappa=kap, key=c.name))
+    return steps
+
+
+def _velocity_hooks(modules: Sequence[nn.Module], names: Sequence[str], calls: Dict[int, Call],
+                    replace_last: Optional[Callable[[Tensor], Tensor]] = None) -> List[Any]:
+    """Hooks capturing each velocity's call (a gained update: the branch's input, the gain's output)."""
+    handles = []
+    last = len(modules) - 1
+
+    def pre(k: int, target: nn.Module) -> Callable:
+        def hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+            if k not in calls and args and isinstance(args[0], Tensor):
+                calls[k] = Call(names[k], modules[k], args[0], tuple(args[1:]), dict(kwargs))
+        return hook
+
+    def post(k: int) -> Callable:
+        def hook(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            y = output[0] if isinstance(output, (tuple, list)) else output
+            if k in calls and calls[k].out is None and isinstance(y, Tensor):
+                calls[k].out = y
+            if k == last and replace_last is not None and isinstance(y, Tensor):
+                return replace_last(y)
+            return None
+        return hook
+
+    for k, m in enumerate(modules):
+        branch, out_mod = (m.branch, m.gain) if isinstance(m, ScaledBranch) else (m, m)
+        handles.append(branch.register_forward_pre_hook(pre(k, branch), with_kwargs=True))
+        handles.append(out_mod.register_forward_hook(post(k), with_kwargs=True))
+    return handles
+
+
+def module_steps(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], ups: Any, *,
+                 loss: Optional[Callable[[Tensor], Tensor]], loss_gradient: Optional[float],
+                 certs: Optional[Sequence[Optional[BlockCertificate]]], head_cert: Optional[BlockCertificate],
+                 logit_samples: int) -> Source:
+    """The steps of a :class:`~certblocks.CertifiedStack` or zoo model on ``args``/``kwargs`` (module docstring)."""
+    from ..stack import CertifiedStack
+
+    calls: Dict[int, Call] = {}
+    handles = _velocity_hooks(ups.modules, ups.names, calls)
+    try:
+        with torch.no_grad():
+            output = model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    missing = [ups.names[k] for k in range(len(ups.modules)) if k not in calls or calls[k].out is None]
+    if missing:
+        raise ValueError(f"the forward of {type(model).__name__} on the batch did not call the velocities "
+                         f"{missing[:3]}{' ...' if len(missing) > 3 else ''}: not a residual stack of its updates")
+    dt = ups.dt
+    ordered = [calls[k] for k in range(len(ups.modules))]
+    steps = calls_steps(ordered, dt, certs, logit_samples)
+    last = ordered[-1]
+    x_d = (last.x + dt * last.out.to(last.x.dtype)).detach()
+    main, scalar = split_output(output)
+    notes: List[str] = []
+    if isinstance(model, CertifiedStack):  # the output is the last state
+        if loss is not None:
+            head = Head(x_d, loss_fn=loss, detail="the loss's gradient at X_D (autograd)")
+        else:
+            head = Head(x_d, lip_g=ups.lip_g, detail="the stack's declared Lip(G) (its output is its last state)")
+        return Source(steps, head, token_norm_max(ordered[0].x), notes=notes)
+
+    x_prev = last.x.detach()
+    params = {k: v.detach() for k, v in list(model.named_parameters()) + list(model.named_buffers())}
+
+    def run_with_state(x: Tensor) -> Any:
+        """The model's forward with the last velocity's output replaced so that the last state is ``x``."""
+        hs = _velocity_hooks(ups.modules, ups.names, {},
+                             replace_last=lambda y: ((x - x_prev) / dt).to(y.dtype))
+        try:
+            return torch.func.functional_call(model, params, args, kwargs)
+        finally:
+            for h in hs:
+                h.remove()
+
+    def out_fn(x: Tensor) -> Tensor:
+        m, _ = split_output(run_with_state(x))
+        if m is None:
+            raise ValueError(f"{type(model).__name__} returned no floating-point output to differentiate")
+        return m
+
+    lg = float(getattr(model, "loss_gradient", 1.0)) if loss_gradient is None else float(loss_gradient)
+    peak = lambda: _peak_only(out_fn, x_d)
+    if loss is not None:
+        head = Head(x_d, loss_fn=lambda x: loss(out_fn(x)), peak=peak, detail="the loss's gradient at X_D (autograd)")
+    elif scalar is not None:
+        head = Head(x_d, loss_fn=lambda x: split_output(run_with_state(x))[1], peak=peak,
+                    detail="the model's own loss output, its gradient at X_D (autograd)")
+    else:
+        head = Head(x_d, fn=out_fn, loss_gradient=lg, cert=head_cert, peak=peak,
+                    detail=f"||DG(X_D)|| (Lanczos) x loss gradient bound {lg:.4g}")
+        if main is None:
+            raise ValueError(f"{type(model).__name__} returned no floating-point output")
+    return Source(steps, head, token_norm_max(ordered[0].x), notes=notes)
+
+
+def _peak_only(fn: Fn, x: Tensor) -> float:
+    v = float(largest_intermediate(fn, x.detach()).detach())
+    return math.inf if math.isnan(v) else v
+
+
+# ------------------------------------------------------------------------------------------------ graph path
+_DTYPE_KW = ("dtype",)
+
+
+def subgraph_fn(g: Any, env: Dict[str, Any], start: torch.fx.Node, end: torch.fx.Node, *, f64: bool = False) -> Fn:
+    """``end`` as a function of ``start``'s value: the nodes between them evaluated in order, the others read
+    from ``env``.  ``f64``: floating values and dtype arguments in float64, no autocast (a float64 twin)."""
+    names = g.between(start, end)
+    nodes = [n for n in g.nodes if n.name in names and n is not start]
+    cache: Dict[str, Any] = {}
+
+    def const(name: str) -> Any:
+        v = env[name]
+        if not f64:
+            return v
+        if name not in cache:
+            cache[name] = v.to(torch.float64) if isinstance(v, Tensor) and v.is_floating_point() else v
+        return cache[name]
+
+    def fn(x: Tensor) -> Tensor:
+        local: Dict[str, Any] = {start.name: x}
+        load = lambda a: local[a.name] if a.name in local else const(a.name)
+        for n in nodes:
+            a = torch.fx.node.map_arg(n.args, load)
+            kw = dict(torch.fx.node.map_arg(n.kwargs, load))
+            if f64:
+                for key in _DTYPE_KW:
+                    if isinstance(kw.get(key), torch.dtype) and kw[key].is_floating_point:
+                        kw[key] = torch.float64
+            local[n.name] = n.target(*a, **kw)
+        return local[end.name]
+
+    if not f64:
+        return fn
+
+    def fn64(x: Tensor) -> Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            return fn(x.to(torch.float64))
+    return fn64
+
+
+def _graph_peak(g: Any, names: set, skip: str) -> float:
+    vals = [_abs_max(g.env.get(n)) for n in names if n != skip]
+    return max(vals, default=0.0)
+
+
+def _graph_logit(g: Any, names: set, samples: int) -> Optional[float]:
+    """Largest ``|logit|`` entering a softmax or a fused attention among ``names`` (masked entries left out)."""
+    from ..trace.nodes import op_name
+
+    best: Optional[float] = None
+    for n in g.nodes:
+        if n.name not in names or n.op != "call_function":
+            continue
+        op = op_name(n.target)
+        val: Optional[float] = None
+        if op in ("aten.softmax", "aten._softmax", "aten.special_softmax", "aten._safe_softmax"):
+            z = g.env.get(n.args[0].name) if isinstance(n.args[0], torch.fx.Node) else None
+            val = _abs_max(z[:samples]) if isinstance(z, Tensor) else None
+        elif "scaled_dot_product" in op and len(n.args) >= 2:
+            val = _sdpa_logit(g, n, samples)
+        if val is not None:
+            best = val if best is None else max(best, val)
+    return best
+
+
+def _sdpa_logit(g: Any, n: torch.fx.Node, samples: int) -> Optional[float]:
+    get = lambda a: g.env.get(a.name) if isinstance(a, torch.fx.Node) else a
+    q, k = get(n.args[0]), get(n.args[1])
+    if not isinstance(q, Tensor) or not isinstance(k, Tensor):
+        return None
+    params = list(getattr(n.target, "_schema", None).arguments) if hasattr(n.target, "_schema") else []
+    a = {p.name: get(v) for p, v in zip(params, n.args)}
+    a.update({key: get(v) for key, v in n.kwargs.items()})
+    q, k = q[:samples].double(), k[:samples].double()
+    if k.shape[-3] != q.shape[-3] and q.shape[-3] % k.shape[-3] == 0:  # grouped-query heads
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    scale = a.get("scale") or 1.0 / math.sqrt(q.shape[-1])
+    logits = (q @ k.transpose(-2, -1)) * scale
+    mask = a.get("attn_mask")
+    keep = torch.ones(logits.shape[-2:], dtype=torch.bool, device=logits.device)
+    if a.get("is_causal"):
+        keep = keep.tril()
+    logits = logits.masked_fill(~keep, 0.0)
+    if isinstance(mask, Tensor):
+        mask = mask[:samples] if mask.ndim == 4 and mask.shape[0] > 1 else mask
+        if mask.dtype == torch.bool:
+            logits = logits.masked_fill(~mask, 0.0)
+        else:
+            logits = logits + mask.double()
+    return _abs_max(logits)
+
+
+def _graph_attention(g: Any, names: set) -> Optional[nn.Module]:
+    for n in g.nodes:
+        if n.name in names:
+            for path, _ in g.module_stack(n):
+                m = g.get_module(path)
+                if m is not None and _attention_like(m):
+                    return m
+    return None
+
+
+def graph_steps(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], *,
+                loss: Optional[Callable[[Tensor], Tensor]], loss_gradient: Optional[float], certified: bool,
+                logit_samples: int) -> Source:
+    """The steps of any module from its graph on the batch (module docstring)."""
+    from ..trace.api import certify_velocity
+    from ..trace.capture import capture
+    from ..trace.chain import model_chain, segment_name
+    from ..trace.residual import find_residual_updates, velocity_name
+
+    g = capture(model, args, kwargs)
+    ups = find_residual_updates(g)
+    if not ups:
+        raise ValueError(f"{type(model).__name__} has no residual update X + f(X) in its graph: no trajectory")
+    chain = model_chain(g, ups)
+    if chain is None or not chain.segments:
+        raise ValueError(f"the residual updates of {type(model).__name__} do not lie on one path from its input to "
+                         "its output (chain notes: " + "; ".join(getattr(chain, "notes", []) or ["none"]) + ")")
+    env = g.env
+    notes = list(chain.notes)
+    steps: List[Step] = []
+    stem_peak, input_norm = 0.0, None
+    head_seg = None
+    used: Dict[str, int] = {}
+    for k, seg in enumerate(chain.segments):
+        if seg.kind == "stem":
+            stem_peak = _graph_peak(g, g.between(seg.start, seg.end), seg.start.name)
+            continue
+        if seg.kind == "head":
+            head_seg = seg
+            continue
+        x = env[seg.start.name]
+        if input_norm is None:
+            input_norm = token_norm_max(x)
+        end = seg.velocity if seg.kind == "update" and seg.velocity is not None else seg.end
+        name = (velocity_name(g, seg.velocity, seg.end) if seg.kind == "update" else segment_name(g, seg)) \
+            or f"segment {k}"
+        used[name] = used.get(name, 0) + 1
+        if used[name] > 1:
+            name = f"{name}#{used[name] - 1}"
+        names = g.between(seg.start, end)
+        cert = None
+        if certified:
+            try:
+                cert = certify_velocity(g, seg.start, end, name).certificate
+            except Exception as exc:  # a segment the tracer cannot certify: no certified factor, say why
+                notes.append(f"{name}: no certificate ({type(exc).__name__}: {exc})")
+        peak_val = _graph_peak(g, names, seg.start.name)
+        logit = _graph_logit(g, names, logit_samples)
+        attn = _graph_attention(g, names)
+        steps.append(Step(name, "update" if seg.kind == "update" else seg.kind, x, subgraph_fn(g, env, seg.start, end),
+                          token_norm_max(env[seg.end.name]), dt=1.0 if seg.kind == "update" else 0.0,
+                          fn64=subgraph_fn(g, env, seg.start, end, f64=True), cert=cert,
+                          peak=lambda p=peak_val, lg=logit: (p, lg),
+                          kappa=None if attn is None else (lambda a=attn: attention_kappa(a)[0]), key=name))
+    if not steps:
+        raise ValueError(f"{type(model).__name__}: the chain has no residual update")
+    last = chain.segments[-1] if head_seg is None else head_seg
+    xd_node = last.end if head_seg is None else head_seg.start
+    x_d = env[xd_node.name]
+    # the outputs that depend on the last state: a scalar (the model's loss) and the main output
+    dep = [o for o in g.outputs if isinstance(env.get(o.name), Tensor) and env[o.name].is_floating_point()
+           and g.is_ancestor(xd_node, o)]
+    scalar = next((o for o in dep if env[o.name].ndim == 0), None)
+    main = next((o for o in dep if env[o.name].ndim > 0), None)
+    lg = float(getattr(model, "loss_gradient", 1.0)) if loss_gradient is None else float(loss_gradient)
+    if main is None and scalar is None:
+        raise ValueError(f"no floating-point output of {type(model).__name__} depends on its last state")
+    if main is not None and main is not xd_node:
+        out_fn = subgraph_fn(g, env, xd_node, main)
+        head_peak = _graph_peak(g, g.between(xd_node, main), xd_node.name)
+    else:
+        out_fn, head_peak = (lambda x: x), 0.0
+    if scalar is not None:
+        head_peak = max(head_peak, _graph_peak(g, g.between(xd_node, scalar), xd_node.name))
+    hp = lambda v=head_peak: v
+    if loss is not None:
+        head = Head(x_d, loss_fn=lambda x: loss(out_fn(x)), peak=hp, detail="the loss's gradient at X_D (autograd)")
+    elif scalar is not None:
+        head = Head(x_d, loss_fn=subgraph_fn(g, env, xd_node, scalar), peak=hp,
+                    detail="the model's own loss output, its gradient at X_D (autograd)")
+    else:
+        hcert = None
+        if certified and main is not xd_node:
+            try:
+                hcert = certify_velocity(g, xd_node, main, "head").certificate
+            except Exception as exc:
+                notes.append(f"head: no certificate ({type(exc).__name__}: {exc})")
+        head = Head(x_d, fn=out_fn, loss_gradient=lg, cert=hcert, peak=hp,
+                    fn64=None if main is xd_node else subgraph_fn(g, env, xd_node, main, f64=True),
+                    detail=f"||DG(X_D)|| (Lanczos) x loss gradient bound {lg:.4g}")
+    return Source(steps, head, input_norm or 0.0, stem_peak=stem_peak, notes=notes)
