@@ -136,7 +136,7 @@ def train(form: str, data: torch.Tensor, args: argparse.Namespace) -> Dict[str, 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     every = args.every if form == "noln" else args.every_stable
     mon = CertificateMonitor(model.stack, args.amp, every=every, r0=model.stack.r0 if emb_cap else model.radius(),
-                             logit_samples=2)
+                             logit_samples=2, horizon=args.horizon)
     g = torch.Generator().manual_seed(args.seed)
     amp = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.amp]
     losses: List[float] = []
@@ -172,6 +172,8 @@ def train(form: str, data: torch.Tensor, args: argparse.Namespace) -> Dict[str, 
             print(f"{form} step {step} loss {lv:.3f} ({time.time() - t0:.0f} s, {len(mon.alerts)} alerts)", flush=True)
     mon.to_csv(os.path.join(OUT, f"monitor_gpt_{form}.csv"))
     first_alert = mon.alerts[0] if mon.alerts else None
+    data_alerts = [a for a in mon.alerts if a["quantity"] in ("headroom", "headroom trend")]
+    first_data = data_alerts[0] if data_alerts else None
     return {"form": form, "losses": losses, "first_nonfinite": first_nonfinite,
             "final_loss": losses[-1], "first_nonfinite_update": failing, "seconds": time.time() - t0,
             "steps_run": len(losses),
@@ -181,6 +183,12 @@ def train(form: str, data: torch.Tensor, args: argparse.Namespace) -> Dict[str, 
                                    for q in sorted({a["quantity"] for a in mon.alerts})},
             "warning_steps_before_nonfinite": (first_nonfinite - first_alert["step"]
                                                if first_alert is not None and first_nonfinite is not None else None),
+            "first_data_alert": None if first_data is None else {k: first_data[k] for k in
+                                                                  ("step", "update", "quantity", "cause", "value")},
+            "data_alerts": len(data_alerts),
+            "data_warning_steps_before_nonfinite": (None if first_data is None or first_nonfinite is None
+                                                    else first_nonfinite - first_data["step"]),
+            "headroom": [[r["step"], r.get("data/headroom")] for r in mon.records],
             "kappa": [[r["step"]] + [r[k] for k in r if k.endswith("/kappa")] for r in mon.records],
             "margin_grad": [[r["step"], r["stack/margin_grad"]] for r in mon.records]}
 
@@ -191,7 +199,7 @@ def plot(results: List[Dict[str, Any]], args: argparse.Namespace) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    fig, ax = plt.subplots(1, 3, figsize=(16, 4))
     for r in results:
         ax[0].plot(r["losses"], label=r["form"])
         if r["first_nonfinite"] is not None:
@@ -199,6 +207,11 @@ def plot(results: List[Dict[str, Any]], args: argparse.Namespace) -> None:
         if r["first_alert"] is not None:
             ax[0].axvline(r["first_alert"]["step"], ls="--", alpha=0.5,
                           color=ax[0].lines[-2 if r["first_nonfinite"] is not None else -1].get_color())
+        hs = [(st, h) for st, h in r["headroom"] if h is not None]
+        if hs:
+            ax[2].plot([h[0] for h in hs], [max(h[1], -5.0) for h in hs], label=r["form"])
+            if r["first_nonfinite"] is not None:
+                ax[2].axvline(r["first_nonfinite"], ls=":", color="k")
         ks = r["kappa"]
         if ks and len(ks[0]) > 1:
             ax[1].semilogy([k[0] for k in ks], [max(k[1:]) for k in ks], label=f"{r['form']} max kappa")
@@ -209,6 +222,10 @@ def plot(results: List[Dict[str, Any]], args: argparse.Namespace) -> None:
     ax[1].set_xlabel("step")
     ax[1].set_title("largest query-key coefficient kappa")
     ax[1].legend()
+    ax[2].axhline(1.0, ls="--", color="gray", lw=0.8)
+    ax[2].set_xlabel("step")
+    ax[2].set_title("on-data headroom (nats; dashed: alert threshold, dotted: non-finite)")
+    ax[2].legend()
     fig.tight_layout()
     fig.savefig(os.path.join(OUT, "monitor_gpt_loss.png"), dpi=110)
 
@@ -229,6 +246,8 @@ def main(argv: Any = None) -> Dict[str, Any]:
     p.add_argument("--amp", default="fp16", choices=["fp16", "bf16"])
     p.add_argument("--corpus-bytes", type=int, default=4_000_000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--horizon", type=int, default=None,
+                   help="the monitor's trend alert: headroom reaching 0 within this many steps (default: off)")
     args = p.parse_args(argv)
     if args.quick:
         args.layers, args.width, args.block, args.steps = 4, 128, 64, min(args.steps, 150)
@@ -238,7 +257,7 @@ def main(argv: Any = None) -> Dict[str, Any]:
     results = [train(f, data, args) for f in args.forms.split(",")]
     plot(results, args)
     summary = {"args": vars(args), "results": [{k: v for k, v in r.items() if k not in ("losses", "kappa",
-                                                                                         "margin_grad")}
+                                                                                         "margin_grad", "headroom")}
                                                for r in results]}
     with open(os.path.join(OUT, "monitor_gpt.json"), "w") as fh:
         json.dump({"summary": summary, "curves": results}, fh)

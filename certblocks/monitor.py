@@ -22,15 +22,30 @@ the blow-up.  The monitor follows, every ``every`` training steps:
   the update is from overflow, in log scale;
 * ``stack/margin_grad`` = ``1 - sum_k f_k / B`` and ``stack/ok``, ``stack/certified_depth``.
 
+**On data** (``on_data=True``, the default; :mod:`certblocks.ondata`): at each check, the paper's trajectory
+bound (T) on the checked batch -- the velocities called again on the states ``X_k`` captured in the training
+forward, the spectral norm of each one's Jacobian by warm-started Lanczos (``data_steps``; an estimate from
+below), the largest intermediates, and ``||p_D||`` measured from the user's own backward (the costate at the
+last state; without a backward, ``lip_g``).  The records get ``data/headroom`` (nats, ``min`` of the forward and
+backward margins to ``log M``), ``data/log_grad_bound``, their certified versions (the blocks' Jacobian bounds
+at the batch's radius) and per update ``jacobian_norm``, ``jacobian_bound``, ``peak``, ``data_log_factor``.
+A model without certified blocks is watched on data only: its call is kept by a forward pre-hook and
+:func:`certblocks.trajectory` runs on it at the check (its graph: one more forward, an export).
+
 **Alerts.**  Each issues a :class:`CertificateWarning` naming the update and the quantity, and calls
 ``callback(alert)``:
 
-* ``stack/margin_grad`` below ``threshold`` (or not a number: exponents not derived): the backward
-  budget is nearly spent; the alert names the update with the largest factor ``f_k``;
-* ``margin_fwd`` below ``threshold``: the first update after which the forward radius bound is that
-  close to ``M`` (log scale);
-* with ``share_alerts=True``, every update whose ``margin_grad`` (even share) is below ``threshold``
-  (off by default: a certified stack may spend its budget unevenly);
+* ``headroom`` (on data): the batch's headroom is below ``headroom_threshold`` nats (default 1); the alert names
+  the update that consumes the most headroom and its ``cause`` (``"Jacobian"``, ``"state norm"``,
+  ``"logits"``, ``"intermediate"`` or ``"head"``), with kappa and the largest logit for attention;
+* ``headroom trend`` (on data, ``horizon`` steps): the least-squares line through the last ``trend_window``
+  headrooms reaches 0 within ``horizon`` steps;
+* with ``worst_case_alerts=True`` (off by default: the worst-case certificate holds for every input of the
+  ball and refuses models that train well on data; its margins stay in the records):
+  ``stack/margin_grad`` below ``threshold`` (or not a number: exponents not derived), naming the update with the
+  largest factor ``f_k``; ``margin_fwd`` below ``threshold`` (the first update after which the forward radius
+  bound is that close to ``M``, log scale); with ``share_alerts=True``, every update whose ``margin_grad``
+  (even share) is below ``threshold``;
 * ``kappa`` of an attention update without QK-norm at least ``kappa_growth`` times its value at the
   first check (default 10x; THEORY.md section 5: ~40x preceded the divergence of a no-LN GPT-2);
 * ``non-finite weights``: a weight holds NaN or inf; the record has ``stack/ok = False`` and ``nonfinite``
@@ -87,6 +102,10 @@ from .blocks.gain import ScaledBranch
 from .bounds import one_thread
 from .budget import dtype_name, float_max
 from .certificate import BlockCertificate, StackCertificate, certify_stack
+from .ondata.api import unwrap
+from .ondata.sources import Call, _attention_like, attention_kappa, attention_max_logit
+from .ondata.sources import _power as _power_step
+from .ondata.watch import OnDataWatch, autocast_state, batch_of
 from .stack import CertifiedStack, block_certificate
 
 __all__ = ["CertificateMonitor", "CertificateWarning", "ResidualUpdates", "residual_updates"]
@@ -229,27 +248,6 @@ def residual_updates(model: Any, *, r0: Optional[float] = None, seq_len: Optiona
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def _attention_like(m: nn.Module) -> bool:
-    from .blocks import Attention, QKNormAttention
-
-    return isinstance(m, (Attention, QKNormAttention))
-
-
-def _power_step(mv: Callable[[torch.Tensor], torch.Tensor], rmv: Callable[[torch.Tensor], torch.Tensor],
-                v: torch.Tensor, iters: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``iters`` power iterations on ``A^T A`` (batched over the first axis); returns ``(sigma, v)``.
-
-    ``sigma = ||A v||`` with ``||v|| = 1``: at most ``||A||``.
-    """
-    for _ in range(iters):
-        u = mv(v)
-        v = rmv(u)
-        n = v.norm(dim=-1, keepdim=True)
-        v = torch.where(n > 0, v / n.clamp_min(1e-300), v)
-    sigma = mv(v).norm(dim=-1)
-    return sigma, v
-
-
 def _first_tensor(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
     if args and isinstance(args[0], torch.Tensor):
         return args[0]
@@ -291,8 +289,16 @@ class CertificateMonitor:
         power_iters: power iterations per check (warm-started) for ``kappa`` and the operator norms.
         power_iters_init: power iterations the first time a matrix is seen.
         logit_samples: samples of the batch used for the largest attention logit.
-        batch_figures: install the forward hooks (saturation, cosine, logits); ``False`` keeps only
-            the weight-based figures.
+        batch_figures: install the forward hooks (saturation, cosine, logits, the on-data certificate);
+            ``False`` keeps only the weight-based figures.
+        on_data: compute the on-data certificate (:func:`certblocks.trajectory`'s figures) of the checked batch.
+        headroom_threshold: on-data alert when the batch's headroom (nats) is below this (``None``: never).
+        horizon: on-data alert when the headroom's trend (least squares over the last ``trend_window`` checks)
+            reaches 0 within this many steps (``None``: never).
+        trend_window: checks in the trend.
+        worst_case_alerts: also alert on the worst-case margins (``stack/margin_grad``, ``margin_fwd``, and with
+            ``share_alerts`` each update's share); off by default: they stay in the records.
+        data_steps: Lanczos steps per Jacobian at each check (warm-started from the previous check).
 
     Attributes:
         records: one plain dict per check (keys ``step``, ``stack/...`` and ``<update>/<quantity>``).
@@ -304,7 +310,9 @@ class CertificateMonitor:
                  callback: Optional[Callable[[Dict[str, Any]], Any]] = None,
                  share_alerts: bool = False, kappa_growth: Optional[float] = 10.0,
                  power_iters: int = 4, power_iters_init: int = 50, logit_samples: int = 8,
-                 batch_figures: bool = True) -> None:
+                 batch_figures: bool = True, on_data: bool = True, headroom_threshold: Optional[float] = 1.0,
+                 horizon: Optional[int] = None, trend_window: int = 5, worst_case_alerts: bool = False,
+                 data_steps: int = 4) -> None:
         self.dtype = dtype_name(dtype)
         self.every = check_int("every", every)
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold) \
@@ -324,9 +332,26 @@ class CertificateMonitor:
         self.power_iters = check_int("power_iters", power_iters, 0)
         self.power_iters_init = check_int("power_iters_init", power_iters_init, 1)
         self.logit_samples = check_int("logit_samples", logit_samples)
-        if not isinstance(batch_figures, bool):
-            raise TypeError(f"batch_figures must be a bool, got {batch_figures!r}")
-        self.updates = residual_updates(model, r0=r0, seq_len=seq_len)
+        for flag, val in (("batch_figures", batch_figures), ("on_data", on_data),
+                          ("worst_case_alerts", worst_case_alerts)):
+            if not isinstance(val, bool):
+                raise TypeError(f"{flag} must be a bool, got {val!r}")
+        self.worst_case_alerts = worst_case_alerts
+        if headroom_threshold is not None and (isinstance(headroom_threshold, bool) or not isinstance(
+                headroom_threshold, (int, float)) or not math.isfinite(headroom_threshold)):
+            raise ValueError(f"headroom_threshold must be a finite number (nats) or None, got {headroom_threshold!r}")
+        if horizon is not None:
+            check_int("horizon", horizon)
+        self._watch = OnDataWatch(self.dtype, threshold=headroom_threshold, horizon=horizon,
+                                  window=check_int("trend_window", trend_window, 3), steps=check_int("data_steps",
+                                                                                                    data_steps),
+                                  tol=1e-2, logit_samples=self.logit_samples) if on_data and batch_figures else None
+        try:
+            self.updates: Optional[ResidualUpdates] = residual_updates(model, r0=r0, seq_len=seq_len)
+        except TypeError:  # no certified block: on data only, from the model's graph (certblocks.certify's updates)
+            if self._watch is None or not isinstance(unwrap(model), nn.Module):
+                raise
+            self.updates = None
         self.model = model
         self.records: List[Dict[str, Any]] = []
         self.alerts: List[Dict[str, Any]] = []
@@ -338,8 +363,11 @@ class CertificateMonitor:
         self._stacklevel = 5  # warnings point at the caller of check() / step()
         self._kappa0: Dict[int, float] = {}
         self._gen = torch.Generator().manual_seed(0)
-        self._inputs: Dict[int, torch.Tensor] = {}
-        if batch_figures:
+        self._inputs: Dict[int, Any] = {}
+        self._batch: Optional[Any] = None
+        if self.updates is None:
+            self._handles.append(unwrap(model).register_forward_pre_hook(self._model_hook, with_kwargs=True))
+        elif batch_figures:
             for k, m in enumerate(self.updates.modules):
                 if isinstance(m, ScaledBranch):  # a view outside the model's forward: its branch sees X_k, its gain
                     self._handles.append(m.branch.register_forward_hook(self._make_input_hook(k), with_kwargs=True))
@@ -354,42 +382,39 @@ class CertificateMonitor:
             if self._armed and k not in self._captures:
                 x = _first_tensor(args, kwargs)
                 if x is not None:
-                    self._inputs[k] = x
+                    self._inputs[k] = (x, args[1:] if args and args[0] is x else (), kwargs)
         return hook
 
     def _make_hook(self, k: int, branch: Optional[nn.Module] = None) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if not self._armed or k in self._captures:
                 return
-            x = _first_tensor(args, kwargs) if branch is None else self._inputs.pop(k, None)
+            x = _first_tensor(args, kwargs)
+            rest = (args[1:] if args and args[0] is x else (), kwargs)
+            if branch is not None:
+                x, *rest = self._inputs.pop(k, (None, (), {}))
             module = module if branch is None else branch
             y = output[0] if isinstance(output, (tuple, list)) else output
             if x is None or not isinstance(y, torch.Tensor) or x.shape[0] != y.shape[0]:
                 return
             cap: Dict[str, Any] = {"x_norm": _sample_norms(x), "v_norm": _sample_norms(y), "v": y.detach(),
-                                   "grad": None}
+                                   "grad": None, "x": x.detach(), "rest": tuple(rest),
+                                   "autocast": autocast_state(x.device.type)}
             if y.requires_grad:
                 def grad_hook(g: torch.Tensor) -> None:
                     if cap["grad"] is None:
                         cap["grad"] = g.detach()
                 y.register_hook(grad_hook)
             if _attention_like(module):
-                cap["max_logit"] = self._max_logit(module, x)
+                cap["max_logit"] = attention_max_logit(module, x, self.logit_samples)
             self._captures[k] = cap
         return hook
 
-    @torch.no_grad()
-    def _max_logit(self, m: nn.Module, x: torch.Tensor) -> float:
-        xs = x.detach()[: self.logit_samples]
-        if xs.ndim != 3:
-            return math.nan
-        q, kk, _ = m._qkv(xs, fast=False)  # (B, nh, T, hs)
-        logits = (q.double() @ kk.double().transpose(-2, -1)).abs() * m.scale
-        if m.causal:
-            T = logits.shape[-1]
-            allowed = torch.ones(T, T, dtype=torch.bool, device=logits.device).tril()
-            logits = logits.masked_fill(~allowed, 0.0)
-        return float(logits.max())
+    def _model_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Keep the checked step's model call (a model without certified blocks: the on-data check re-runs it)."""
+        if self._armed and self._batch is None:
+            x = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
+            self._batch = (batch_of(args, kwargs), autocast_state(x.device.type if x is not None else "cpu"))
 
     # -- weight figures -------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -406,14 +431,11 @@ class CertificateMonitor:
 
     def _kappa(self, k: int, m: nn.Module) -> float:
         """``max_h ||W_Q^{hT} W_K^h||`` by warm-started power iteration (an estimate from below)."""
-        D, H, hd = m.dim, m.num_heads, m.head_dim
-        w = m.in_proj.weight.detach().to("cpu", torch.float64)
-        wq = w[:D].reshape(H, hd, D)
-        wk = w[D:2 * D].reshape(H, hd, D)
-        # A_h = Wq_h^T Wk_h : R^D -> R^D
-        mv = lambda v: torch.einsum("hkd,hk->hd", wq, torch.einsum("hkd,hd->hk", wk, v))
-        rmv = lambda u: torch.einsum("hkd,hk->hd", wk, torch.einsum("hkd,hd->hk", wq, u))
-        return float(self._power((k, "kappa"), mv, rmv, H, D).max())
+        v0 = self._vectors.get((k, "kappa"))
+        warm = v0 is not None and tuple(v0.shape) == (m.num_heads, m.dim)
+        iters = self.power_iters if warm else self.power_iters_init
+        kap, self._vectors[(k, "kappa")] = attention_kappa(m, v0 if warm else None, iters, self._gen)
+        return kap
 
     def _opnorm(self, k: int, sub: str, w: torch.Tensor) -> float:
         w = w.detach().to("cpu", torch.float64)
@@ -439,7 +461,7 @@ class CertificateMonitor:
             finally:
                 self._stacklevel = 5
         self.step_count += 1
-        self._captures = {}
+        self._captures, self._batch = {}, None
         self._armed = self.step_count % self.every == 0
         return record
 
@@ -450,10 +472,17 @@ class CertificateMonitor:
 
     def _check(self) -> Dict[str, Any]:
         ups = self.updates
+        if ups is None:  # on data only
+            rec: Dict[str, Any] = {"step": self.step_count}
+            if self._batch is not None:
+                assert self._watch is not None
+                self._record_data(rec, self._watch.from_batch(unwrap(self.model), *self._batch))
+            self.records.append(rec)
+            return rec
         try:
             certs = ups.certificates()
         except NonFiniteWeightError as exc:  # record and alert; the training loop decides what to do
-            rec: Dict[str, Any] = {"step": self.step_count, "stack/ok": False, "nonfinite": str(exc)}
+            rec = {"step": self.step_count, "stack/ok": False, "nonfinite": str(exc)}
             self.records.append(rec)
             self._emit({"step": self.step_count, "update": exc.names[0][0], "quantity": "non-finite weights",
                         "value": math.nan, "threshold": self.threshold,
@@ -466,7 +495,29 @@ class CertificateMonitor:
             rec.update({f"{name}/{key}": val for key, val in self._update_figures(k, m, cert, stack).items()})
         self.records.append(rec)
         self._alert(rec, stack)
+        if self._watch is not None and len(self._captures) == len(ups.modules):
+            self._record_data(rec, self._watch_calls(rec, certs))
         return rec
+
+    def _watch_calls(self, rec: Dict[str, Any], certs: List[BlockCertificate]) -> Any:
+        """The on-data certificate from the velocities' calls captured in the training forward."""
+        ups = self.updates
+        assert ups is not None and self._watch is not None
+        caps = [self._captures[k] for k in range(len(ups.modules))]
+        calls = [Call(n, m, c["x"], c["rest"][0], c["rest"][1], c["v"])
+                 for n, m, c in zip(ups.names, ups.modules, caps)]
+        grad = caps[-1]["grad"]
+        kappas = {k: rec[f"{n}/kappa"] for k, n in enumerate(ups.names) if rec.get(f"{n}/kappa") is not None}
+        return self._watch.from_calls(calls, dt=ups.dt, certs=certs, p_d=None if grad is None else grad / ups.dt,
+                                      lip_g=ups.lip_g, kappas=kappas, state=caps[0]["autocast"],
+                                      model=type(unwrap(self.model)).__name__)
+
+    def _record_data(self, rec: Dict[str, Any], report: Any) -> None:
+        """The on-data figures into ``rec``, and their alerts."""
+        assert self._watch is not None
+        rec.update(self._watch.figures(report))
+        for alert in self._watch.alerts(self.step_count, report):
+            self._emit(alert)
 
     def _stack_figures(self, stack: StackCertificate) -> Dict[str, Any]:
         M = float_max(self.dtype)
@@ -523,7 +574,7 @@ class CertificateMonitor:
         where = f"{self.dtype}, certified depth {stack.certified_depth}/{stack.depth}"
         # 1. the whole backward budget: name the update with the largest factor
         val = rec["stack/margin_grad"]
-        if val < self.threshold or math.isnan(val):
+        if self.worst_case_alerts and (val < self.threshold or math.isnan(val)):
             factors = [rec[f"{n}/log_factor"] for n in names]
             worst = max(range(len(names)), key=lambda i: math.inf if math.isnan(factors[i]) else factors[i])
             msg = (f"step {step}: update {names[worst]!r}: stack margin_grad = {val:.4g} below threshold "
@@ -533,7 +584,7 @@ class CertificateMonitor:
             self._emit({"step": step, "update": names[worst], "quantity": "stack/margin_grad", "value": val,
                         "threshold": self.threshold, "message": msg})
         # 2. per-update even shares (opt-in: a certified stack may spend its budget unevenly)
-        if self.share_alerts:
+        if self.share_alerts and self.worst_case_alerts:
             for name in names:
                 val = rec[f"{name}/margin_grad"]
                 if val < self.threshold or math.isnan(val):
@@ -542,7 +593,7 @@ class CertificateMonitor:
                     self._emit({"step": step, "update": name, "quantity": "margin_grad", "value": val,
                                 "threshold": self.threshold, "message": msg})
         # 3. the forward radius: it grows with depth, name the first update below the threshold
-        for name in names:
+        for name in names if self.worst_case_alerts else ():
             val = rec[f"{name}/margin_fwd"]
             if val < self.threshold or math.isnan(val):
                 msg = (f"step {step}: update {name!r}: margin_fwd = {val:.4g} below threshold {self.threshold:g} "
@@ -600,5 +651,6 @@ class CertificateMonitor:
         self.remove()
 
     def __repr__(self) -> str:
-        return (f"CertificateMonitor({len(self.updates.modules)} updates, dtype={self.dtype}, every={self.every}, "
+        n = "on-data only" if self.updates is None else f"{len(self.updates.modules)} updates"
+        return (f"CertificateMonitor({n}, dtype={self.dtype}, every={self.every}, "
                 f"threshold={self.threshold:g}, {len(self.records)} records)")

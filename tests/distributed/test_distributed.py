@@ -40,7 +40,12 @@ pytestmark = [
     pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo backend"),
 ]
 
-BATCH_KEYS = ("/saturation", "/cosine", "/max_logit", "/state_norm", "/velocity_norm")
+BATCH_KEYS = ("/saturation", "/cosine", "/max_logit", "/state_norm", "/velocity_norm",
+              # the on-data certificate (data/... and per update): figures of the batch a rank saw
+              "/headroom", "/forward_headroom", "/backward_headroom", "/headroom_certified", "/log_grad_bound",
+              "/log_grad_bound_certified", "/forward_max", "/head_norm", "/head_source", "/converged", "/worst_update",
+              "/worst_quantity", "/jacobian_norm", "/jacobian_bound", "/jacobian_steps", "/peak", "/data_log_factor",
+              "/data_state_norm", "/data_max_logit")
 
 
 def _free_port() -> int:

@@ -122,7 +122,8 @@ def test_warning_fires_and_names_update() -> None:
     blocks = [MLP(16, 32) for _ in range(4)]
     st = certblocks.build_stack(blocks, "fp16", dt=1.0)
     alerts = []
-    mon = CertificateMonitor(st, "fp16", every=1, threshold=0.5, callback=alerts.append)
+    mon = CertificateMonitor(st, "fp16", every=1, threshold=0.5, callback=alerts.append, worst_case_alerts=True,
+                             on_data=False)
     x = torch.randn(2, 4, 16)
     with warnings.catch_warnings():
         warnings.simplefilter("error", CertificateWarning)  # healthy (stack margin ~0.73): no warning
@@ -147,7 +148,8 @@ def test_share_alerts_name_each_update_over_its_share() -> None:
     st = certblocks.build_stack([MLP(16, 32) for _ in range(4)], "fp16", dt=1.0)
     with torch.no_grad():
         st.blocks[1].fc2.weight.mul_(30.0)
-    mon = CertificateMonitor(st, "fp16", threshold=0.0, share_alerts=True, batch_figures=False)
+    mon = CertificateMonitor(st, "fp16", threshold=0.0, share_alerts=True, batch_figures=False,
+                             worst_case_alerts=True)
     with pytest.warns(CertificateWarning, match=r"'blocks\.1': margin_grad"):
         mon.step()
     shares = [a["update"] for a in mon.alerts if a["quantity"] == "margin_grad"]
@@ -175,7 +177,7 @@ def test_forward_margin_warning_names_first_update() -> None:
     st = certblocks.build_stack([MLP(8, 8) for _ in range(3)], "fp16", dt=1.0)
     with torch.no_grad():
         st.blocks[1].fc2.bias.fill_(10000.0)  # radius ~ 3e4: within a factor 2 of fp16 65504
-    mon = CertificateMonitor(st, "fp16", every=1, threshold=0.1, batch_figures=False)
+    mon = CertificateMonitor(st, "fp16", every=1, threshold=0.1, batch_figures=False, worst_case_alerts=True)
     with pytest.warns(CertificateWarning, match=r"'blocks\.1': margin_fwd"):
         mon.step()
     assert mon.alerts[0]["quantity"] in ("stack/margin_grad", "margin_fwd")
@@ -201,7 +203,7 @@ def test_csv_round_trip(tmp_path) -> None:
         for key, val in rec.items():
             if val is None:
                 assert row[key] == ""
-            elif isinstance(val, bool):
+            elif isinstance(val, (bool, str)):  # flags; the on-data names (worst update, head source)
                 assert row[key] == str(val)
             else:
                 assert float(row[key]) == pytest.approx(float(val), rel=1e-12)
@@ -304,8 +306,8 @@ def test_bad_arguments() -> None:
         CertificateMonitor(st, "fp17")
     with pytest.raises(TypeError, match="model must be"):
         CertificateMonitor(42, "fp32")
-    with pytest.raises(TypeError, match="no certified block"):
-        CertificateMonitor(nn.Linear(3, 3), "fp32")
+    with pytest.raises(TypeError, match="no certified block"):  # with on_data, watched on data only (its graph)
+        CertificateMonitor(nn.Linear(3, 3), "fp32", on_data=False)
     with pytest.raises(TypeError, match=r"model\[0\]"):
         CertificateMonitor([("a", 3)], "fp32")
     with pytest.raises(ValueError, match="kappa_growth"):

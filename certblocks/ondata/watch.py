@@ -1,0 +1,184 @@
+"""The on-data part of :class:`~certblocks.CertificateMonitor`: the trajectory of the checked batch, its record
+entries and its two alerts (headroom below a threshold; headroom trending to zero within a horizon)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .api import eval_mode, evaluate, trajectory_of_call
+from .report import TrajectoryReport
+from .sources import Call, Head, Source, calls_steps, token_norm_max
+
+__all__ = ["OnDataWatch", "autocast_state", "restored_autocast", "batch_of"]
+
+AutocastState = Optional[Tuple[str, torch.dtype]]
+
+
+def autocast_state(device_type: str) -> AutocastState:
+    """``(device type, dtype)`` of the autocast active now on ``device_type``, or ``None``."""
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return device_type, torch.get_autocast_dtype(device_type)
+    except (RuntimeError, TypeError, AttributeError):  # a device type autocast does not know
+        return None
+    return None
+
+
+@contextlib.contextmanager
+def restored_autocast(state: AutocastState) -> Iterator[None]:
+    """Autocast as captured (``None``: as it is now)."""
+    if state is None:
+        yield
+        return
+    with torch.autocast(state[0], dtype=state[1]):
+        yield
+
+
+def _num(x: Any) -> Any:
+    return None if x is None else float(x)
+
+
+class OnDataWatch:
+    """Computes the on-data certificate at a monitor's checks and decides its alerts.
+
+    Args:
+        dtype: the dtype's canonical name.
+        threshold: alert when the headroom (nats) is below this (``None``: never).
+        horizon: alert when the least-squares line through the last ``window`` headrooms reaches 0 within this
+            many steps (``None``: never).
+        window: checks in the trend line (at least 3 before a trend alert).
+        steps, tol: Lanczos steps and tolerance per Jacobian (warm-started from the previous check).
+        logit_samples: samples used for attention logits.
+    """
+
+    def __init__(self, dtype: str, *, threshold: Optional[float], horizon: Optional[int], window: int, steps: int,
+                 tol: float, logit_samples: int) -> None:
+        self.dtype = dtype
+        self.threshold, self.horizon, self.window = threshold, horizon, window
+        self.steps, self.tol, self.logit_samples = steps, tol, logit_samples
+        self.warm: Dict[str, Tensor] = {}
+        self.history: List[Tuple[int, float]] = []
+        self.last: Optional[TrajectoryReport] = None
+
+    # -- computing --------------------------------------------------------------------------------------------
+    def from_calls(self, calls: Sequence[Call], *, dt: float, certs: Optional[Sequence[Any]], p_d: Optional[Tensor],
+                   lip_g: float, kappas: Dict[int, float], state: AutocastState, model: str) -> TrajectoryReport:
+        """The report of velocity calls captured in the training forward (``p_d``: the measured costate at
+        ``X_D`` from the user's backward, else ``lip_g`` stands in)."""
+        t0 = time.perf_counter()
+        with contextlib.ExitStack() as stack:
+            for c in calls:
+                stack.enter_context(eval_mode(c.module))
+            stack.enter_context(restored_autocast(state))
+            steps = calls_steps(calls, dt, certs, self.logit_samples,
+                                kappa=lambda k, m: kappas.get(k, math.nan))
+            last = calls[-1]
+            x_d = (last.x + dt * last.out.to(last.x.dtype)).detach() if last.out is not None else last.x.detach()
+            if p_d is not None:
+                head = Head(x_d, p=p_d, detail="the costate at X_D from the training backward (measured)")
+            else:
+                head = Head(x_d, lip_g=lip_g, detail="Lip(G) of the certificate (no backward seen for this batch)")
+            src = Source(steps, head, token_norm_max(calls[0].x))
+            rep = evaluate(src, self.dtype, model=model, steps=self.steps, tol=self.tol, dense_max=0, warm=self.warm)
+        rep.seconds = time.perf_counter() - t0
+        self.last = rep
+        return rep
+
+    def from_batch(self, model: nn.Module, batch: Tuple[Tuple[Any, ...], Dict[str, Any]], state: AutocastState
+                   ) -> TrajectoryReport:
+        """The report of a whole model on a captured call (a model without certified blocks: its graph)."""
+        with restored_autocast(state):
+            rep = trajectory_of_call(model, batch[0], batch[1], self.dtype, certified=False, steps=self.steps,
+                                     tol=self.tol, logit_samples=self.logit_samples, warm=self.warm)
+        self.last = rep
+        return rep
+
+    # -- records and alerts -----------------------------------------------------------------------------------
+    def figures(self, rep: TrajectoryReport) -> Dict[str, Any]:
+        """Record entries: ``data/...`` for the whole, ``<update>/<figure>`` per update."""
+        name, qty, nats = rep.worst()
+        out: Dict[str, Any] = {
+            "data/headroom": rep.headroom, "data/forward_headroom": rep.forward_headroom,
+            "data/backward_headroom": rep.backward_headroom, "data/headroom_certified": _num(rep.headroom_certified),
+            "data/log_grad_bound": rep.log_gradient_bound,
+            "data/log_grad_bound_certified": _num(rep.log_gradient_bound_certified),
+            "data/forward_max": rep.forward_max, "data/head_norm": rep.head.norm, "data/head_source": rep.head.source,
+            "data/converged": rep.converged, "data/worst_update": name, "data/worst_quantity": qty}
+        for u in rep.updates:
+            out.update({f"{u.name}/jacobian_norm": u.jacobian_norm, f"{u.name}/jacobian_bound": u.jacobian_bound,
+                        f"{u.name}/jacobian_steps": u.steps, f"{u.name}/peak": u.peak,
+                        f"{u.name}/data_log_factor": u.log_factor, f"{u.name}/data_state_norm": u.state_norm})
+            if u.max_logit is not None:
+                out[f"{u.name}/data_max_logit"] = u.max_logit
+        return out
+
+    def alerts(self, step: int, rep: TrajectoryReport) -> List[Dict[str, Any]]:
+        """The on-data alerts of this check (threshold, then trend), each a monitor alert dict."""
+        h = rep.headroom
+        self.history.append((step, h))
+        self.history = self.history[-self.window:]
+        out = []
+        name, qty, nats = rep.worst()
+        cause = self._cause(rep, name, qty, nats)
+        if self.threshold is not None and (math.isnan(h) or h < self.threshold):
+            out.append({"step": step, "update": name, "quantity": "headroom", "cause": qty, "value": h,
+                        "threshold": self.threshold,
+                        "message": f"step {step}: on-data headroom {h:.4g} nats below {self.threshold:g} "
+                                   f"({rep.dtype}, forward {rep.forward_headroom:.4g}, backward "
+                                   f"{rep.backward_headroom:.4g}): {cause}"})
+        if self.horizon is not None and len(self.history) >= 3 and math.isfinite(h):
+            zero = self._zero_step()
+            if zero is not None and zero - step <= self.horizon:
+                out.append({"step": step, "update": name, "quantity": "headroom trend", "cause": qty, "value": h,
+                            "threshold": float(self.horizon),
+                            "message": f"step {step}: on-data headroom {h:.4g} nats falls by "
+                                       f"{-self._slope():.3g} nats/step and reaches 0 near step {zero:.0f}, within "
+                                       f"the horizon {self.horizon} ({rep.dtype}): {cause}"})
+        return out
+
+    def _slope(self) -> float:
+        pts = [(s, h) for s, h in self.history if math.isfinite(h)]
+        n = len(pts)
+        ms = sum(s for s, _ in pts) / n
+        mh = sum(h for _, h in pts) / n
+        den = sum((s - ms) ** 2 for s, _ in pts)
+        return sum((s - ms) * (h - mh) for s, h in pts) / den if den > 0 else 0.0
+
+    def _zero_step(self) -> Optional[float]:
+        pts = [(s, h) for s, h in self.history if math.isfinite(h)]
+        if len(pts) < 3:
+            return None
+        slope = self._slope()
+        if slope >= 0:
+            return None
+        s_last, h_last = pts[-1]
+        return s_last + max(h_last, 0.0) / -slope
+
+    @staticmethod
+    def _cause(rep: TrajectoryReport, name: str, qty: str, nats: float) -> str:
+        u = next((u for u in rep.updates if u.name == name), None)
+        text = f"update {name!r} consumes the most ({qty}"
+        if u is not None:
+            if qty == "Jacobian":
+                text += f" ||Dv|| ~ {u.jacobian_norm:.4g} at state norm {u.state_norm:.4g}, {nats:.3g} nats"
+            else:
+                text = f"update {name!r} consumes the most ({rep.describe(qty, nats)}"
+            if u.kappa is not None:
+                text += f"; kappa {u.kappa:.4g}"
+            if u.max_logit is not None:
+                text += f"; largest logit {u.max_logit:.4g}"
+        else:
+            text = f"{name!r} consumes the most ({rep.describe(qty, nats)}"
+        return text + ")"
+
+
+def batch_of(args: tuple, kwargs: dict) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """A model call's arguments, detached (the batch the monitor checks)."""
+    det = lambda a: a.detach() if isinstance(a, Tensor) else a
+    return tuple(det(a) for a in args), {k: det(v) for k, v in kwargs.items()}
