@@ -13,12 +13,15 @@ Commands:
 * ``certblocks zoo [PATTERN]``: the zoo's models and their certificates (:mod:`certblocks.cli.zoo`).
 * ``certblocks convert MODEL``: a backbone's certificate before and after :func:`certblocks.convert`
   (:mod:`certblocks.cli.convert`).
+* ``certblocks trajectory MODEL [--batch FILE]``: the on-data certificate of one batch (the trajectory bound and
+  the headroom per update; ``--plot PNG``; :mod:`certblocks.cli.trajectory`).
 
 Exit status:
 
 * 0 -- success (for ``certify MODEL``: the model is certified in the dtype);
 * 1 -- ``certify MODEL`` ran and the model is NOT certified (``certify`` without MODEL reports every zoo
-  model and exits 0: a model that is not certified is a result there);
+  model and exits 0: a model that is not certified is a result there); ``trajectory MODEL``: the batch
+  overflows the dtype (headroom <= 0);
 * 2 -- a bad argument: usage, a value out of range, a MODEL that cannot be built or captured, a file
   that cannot be read; one line ``certblocks <command>: error: ...`` on stderr, no traceback;
 * 3 -- an internal error (a bug): the traceback, then one line saying so, on stderr;
@@ -49,6 +52,7 @@ COMMANDS: Dict[str, Tuple[str, str]] = {
     "certify": ("certblocks.cli.certify", "certify a model's residual updates from its graph (torch.export)"),
     "zoo": ("certblocks.cli.zoo", "the zoo's models and their certificates"),
     "convert": ("certblocks.cli.convert", "a backbone's certificate before and after certblocks.convert"),
+    "trajectory": ("certblocks.cli.trajectory", "the on-data certificate of one batch: trajectory bound, headroom"),
 }
 
 
