@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/overflow_depth.py
 	$(PY) benchmarks/stability.py --quick
 	$(PY) benchmarks/monitor_gpt.py --quick
+	$(PY) benchmarks/enforced_llama.py --quick --threads 1
 
 readme: $(STAMP)
 	$(VENV)/bin/certblocks table --update-readme README.md

@@ -108,10 +108,13 @@ class QKNorm(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # under autocast x is low precision and the scale float32: cast the scale, so that rms_norm runs fused (it
+        # accumulates in float32 either way) instead of warning and falling back to the composite
+        w = self.weight.to(x.dtype)  # the tensor itself when the dtypes agree (no branch: torch.fx traces it)
         if self.kind == "rms":
-            return F.rms_norm(x, (self.dim,), self.weight, self.eps)
+            return F.rms_norm(x, (self.dim,), w, self.eps)
         if self.kind == "l2":
-            return F.rms_norm(x, (self.dim,), self.weight, self.eps / self.dim) * (self.dim ** -0.5)
+            return F.rms_norm(x, (self.dim,), w, self.eps / self.dim) * (self.dim ** -0.5)
         return F.layer_norm(x, (self.dim,), self.weight, self.bias, self.eps)
 
     def output_bound(self) -> float:

@@ -37,7 +37,7 @@ from .._validation import check_cert_args, check_choice, check_finite, check_inp
 from ..certificate import BlockCertificate
 from ..exponents import QK_NORM_ATTENTION, Exponents
 from ..protocol import CapSlot, linear_cap_slots
-from .attention import AttentionNorms, _SelfAttention
+from .attention import AttentionNorms, _SelfAttention, attention_mask
 from .qk_norm import QK_NORMS, QKNorm
 
 __all__ = ["RotaryQKNormAttention", "ROPE_ROUNDING", "rope_inv_freq", "rope_cos_sin", "apply_rope"]
@@ -199,8 +199,6 @@ class RotaryQKNormAttention(nn.Module):
         B, _, T, _ = y.shape
         return y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
 
-    _mask = _SelfAttention._mask
-
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, *,
                 position_ids: Optional[torch.Tensor] = None,
                 position_embeddings: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
@@ -220,7 +218,7 @@ class RotaryQKNormAttention(nn.Module):
         check_input(x, self.dim, self.q_proj.weight, ndim=3)
         cos, sin = position_embeddings if position_embeddings is not None else self.rope(x, position_ids)
         q, k, v = self.project(x, cos, sin)
-        mask = self._mask(x, x.shape[1], attn_mask, None, q.dtype)
+        mask = None if attn_mask is None else attention_mask(x, self.causal, attn_mask, None, q.dtype)
         return self.o_proj(self.attend(q, k, v, mask, self.causal))
 
     def forward_reference(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, *,
@@ -247,7 +245,7 @@ class RotaryQKNormAttention(nn.Module):
         k = torch.einsum("btij,bhtj->bhti", rot, self.k_norm(heads(self.k_proj(x), self.num_kv_heads)))
         k, v = self._repeat_kv(k), self._repeat_kv(heads(self.v_proj(x), self.num_kv_heads))
         logits = (q @ k.transpose(-2, -1)) * self.scale
-        mask = self._mask(x, T, attn_mask, None, q.dtype)
+        mask = attention_mask(x, self.causal, attn_mask, None, q.dtype)
         if mask is None and self.causal:
             mask = torch.zeros(T, T, dtype=q.dtype, device=x.device).masked_fill(
                 ~torch.ones(T, T, dtype=torch.bool, device=x.device).tril(), torch.finfo(q.dtype).min / 2)

@@ -12,7 +12,8 @@ __all__ = ["add_arguments", "run_convert"]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``certblocks convert``."""
-    p.add_argument("model", help="timm:NAME (e.g. timm:vit_tiny_patch16_224), hf:gpt2, hf:llama or hf:mamba (random weights)")
+    p.add_argument("model",
+                   help="timm:NAME (e.g. timm:vit_tiny_patch16_224), hf:gpt2, hf:llama or hf:mamba (random weights)")
     p.add_argument("--dtype", type=dtype_list, default=",".join(DEFAULT_DTYPES),
                    help="comma-separated dtypes (default fp16,bf16,fp32)")
     p.add_argument("--remove-norms", action="store_true", help="also replace the residual branches' norms")

@@ -76,7 +76,8 @@ def test_qwen3_attention_is_kept_exactly():
     ids = _ids()
     rep = convert(src, filter_fn=lambda path, mod: not path.endswith("mlp"))
     assert {s.after for s in rep.swaps} == {"RotaryQKNormAttention"}
-    assert all((s.exponents_before.q, s.exponents_before.sigma) == (1, 1) for s in rep.swaps)  # Qwen3 already normalizes queries and keys
+    # Qwen3 already normalizes queries and keys
+    assert all((s.exponents_before.q, s.exponents_before.sigma) == (1, 1) for s in rep.swaps)
     with torch.no_grad():
         torch.testing.assert_close(rep.model(ids).logits, src(ids).logits, rtol=1e-5, atol=1e-5)
 
