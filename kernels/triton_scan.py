@@ -3,24 +3,37 @@
 Imported lazily (only when ``backend="triton"`` runs).  On a machine without a GPU the kernels run
 in Triton's interpreter when ``TRITON_INTERPRET=1`` is set before triton is imported.
 
-Forward (``_scan_fwd_kernel``): one program per (batch, block of ``BLOCK_D`` channels), all ``dstate``
-states of those channels in registers, sequential over time.  Gate fused in the epilogue.  The state
-is written to ``ckpt`` every ``K`` steps (and at the last step).
+Forward (``_scan_fwd_kernel``): one program per (batch, block of ``BLOCK_D`` channels inside one group),
+all ``dstate`` states of those channels, over the sequence in chunks of ``T`` steps.  A chunk is a
+``(BLOCK_D, BLOCK_N, T)`` tile, contiguous along time: the decays ``a = exp(dt * A)`` and inputs
+``b = dt * u * B`` of the whole chunk are built at once and ``h_t = a_t h_{t-1} + b_t`` runs as one
+``tl.associative_scan`` over the (a, b) pairs, the state entering the chunk carried from the previous
+one (``h = prod(a) * h_in + scan(b)``).  Per-channel work (bias, softplus, ``dt * u``, the gate) is
+done on ``(BLOCK_D, T)`` tiles, once per channel and step.  State and arithmetic in float32.  The
+state after every chunk is written to ``ckpt`` (the backward's restart points).  Every tensor is read
+with its own strides: channel-last ``u``/``delta``/``z`` (and ``dout``) are read without a copy.
 
-Backward (``_scan_bwd_kernel``): same grid; the chunks of ``K`` steps are visited in reverse.  For
-each chunk the states are recomputed from the previous checkpoint into a per-program scratch slab,
-then the adjoint ``lam_t = C_t dy_t + a_{t+1} lam_{t+1}`` runs backwards in time.  ``dB``/``dC`` are
-reduced over the block's channels inside the program and written as per-block partials (a block
-never straddles two groups), summed afterwards in torch; ``dA``, ``dD``, ``ddelta_bias`` are per-batch
-partials summed afterwards.  No atomics.
+Backward (``_scan_bwd_kernel``): same grid, chunks visited in reverse.  A chunk's states are recomputed
+from its checkpoint with the same forward scan (kept in registers, no global scratch), then the adjoint
+``lam_t = C_t dy_t + a_{t+1} lam_{t+1}`` runs as a reverse associative scan (``reverse=True``) over the
+pairs (a_{t+1}, C_t dy_t), ``a_{t+1}`` built from the inputs loaded one step later, the adjoint entering
+from the later chunk carried like the forward state.  ``a_t h_{t-1} = h_t - b_t`` gives the decay
+gradient without shifting a tile.  ``dB``/``dC`` are reduced over the block's channels and written as
+per-block partials, summed afterwards in torch in a fixed order (deterministic, no atomics); ``dA``,
+``dD``, ``ddelta_bias`` are per-batch partials summed afterwards.  ``du``, ``ddelta``, ``dz`` are written
+in the inputs' dtypes.
 
-``cu_seqlens``: a float ``keep`` vector is 0 at the first step of every sequence (the decay is zeroed,
-which resets the state and stops the adjoint); an int ``last_idx`` vector says which sequence ends
-at each step (-1: none) so the kernel stores / receives the last state there.
+``cu_seqlens``: turned on the device (``torch.searchsorted``, no host sync) into a per-step sequence
+index ``seq``; the kernels read it: the decay is zeroed where ``seq`` changes (the state restarts from
+zero and the adjoint stops there) and the state is stored to / its gradient read from ``last[seq_t]``
+at each step where a sequence ends.
+
+Offsets that can pass 2^31 (batch x channel x time, checkpoints) are computed in int64.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -28,6 +41,8 @@ import triton
 import triton.language as tl
 
 _GATES = {None: 0, "silu": 1, "sigmoid": 2}
+LOG2E = 1.4426950408889634
+TILE = 4096  # elements of one (BLOCK_D, BLOCK_N, T) tile
 
 
 @triton.jit
@@ -36,200 +51,240 @@ def _softplus(x):
 
 
 @triton.jit
-def _scan_fwd_kernel(
-    u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, keep_ptr, lastidx_ptr,
-    out_ptr, last_ptr, ckpt_ptr,
-    L, DIM, N, H,
-    s_ub, s_ud, s_ul,
-    s_Bb, s_Bg, s_Bn, s_Bl,
-    s_Cb, s_Cg, s_Cn, s_Cl,
-    K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    GATE: tl.constexpr, HAS_RESET: tl.constexpr, NUM_STAGES: tl.constexpr,
-):
-    pid_b = tl.program_id(0)
-    pid_d = tl.program_id(1)
+def _affine(a1, b1, a2, b2):
+    # composition of x -> a1 x + b1 then x -> a2 x + b2 (the reverse scan uses it unchanged)
+    return a1 * a2, a2 * b1 + b2
+
+
+@triton.jit
+def _delta(delta_ptr, offs, mask, bias, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
+    """(raw, dt): delta (+ bias) before and after the softplus, float32."""
+    raw = tl.load(delta_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        raw = raw + bias[:, None]
+    if SOFTPLUS:
+        dt = _softplus(raw)
+    else:
+        dt = raw
+    return raw, dt
+
+
+@triton.jit
+def _channels(A_ptr, D_ptr, bias_ptr, pid_d, DIM, N, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+              HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A block's channel and state indices with their masks, and its per-channel constants: (offs_d, offs_n,
+    mask_d, mask_n, int64 channels, offset of (d, n) in a (dim, N) array, its mask, A, A log2 e, D, bias)."""
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     mask_d = offs_d < DIM
     mask_n = offs_n < N
     mask_dn = mask_d[:, None] & mask_n[None, :]
-    g = (pid_d * BLOCK_D) // H  # a block never straddles two groups
-    A = tl.load(A_ptr + offs_d[:, None] * N + offs_n[None, :], mask=mask_dn, other=0.0).to(tl.float32)
-    if HAS_D:
-        Dv = tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    row = pid_b * s_ub + offs_d * s_ud
-    Bp = B_ptr + pid_b * s_Bb + g * s_Bg + offs_n * s_Bn
-    Cp = C_ptr + pid_b * s_Cb + g * s_Cg + offs_n * s_Cn
+    d64 = offs_d.to(tl.int64)
+    dn = d64[:, None] * N + offs_n[None, :]
+    A = tl.load(A_ptr + dn, mask=mask_dn, other=0.0).to(tl.float32)
+    Dv = tl.load(D_ptr + offs_d, mask=mask_d & HAS_D, other=0.0).to(tl.float32)
+    bias = tl.load(bias_ptr + offs_d, mask=mask_d & HAS_BIAS, other=0.0).to(tl.float32)
+    # exp(dt A) = exp2(dt A log2 e)
+    return offs_d, offs_n, mask_d, mask_n, d64, dn, mask_dn, A, A * 1.4426950408889634, Dv, bias
+
+
+@triton.jit
+def _rows(u_ptr, delta_ptr, z_ptr, B_ptr, C_ptr, pid_b, pid_d, offs_n, H, s_ub, s_ud, s_tb, s_td, s_zb, s_zd,
+          s_Bb, s_Bg, s_Bn, s_Cb, s_Cg, s_Cn, BLOCK_D: tl.constexpr):
+    """Row pointers of a block (int64 offsets): u, delta, z at (pid_b, d); B, C at (pid_b, group, n)."""
+    d64 = pid_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
+    g = ((pid_d * BLOCK_D) // H).to(tl.int64)  # a block never straddles two groups
+    n64 = offs_n.to(tl.int64)
+    return (
+        u_ptr + pid_b * s_ub + d64 * s_ud, delta_ptr + pid_b * s_tb + d64 * s_td, z_ptr + pid_b * s_zb + d64 * s_zd,
+        B_ptr + pid_b * s_Bb + g * s_Bg + n64 * s_Bn, C_ptr + pid_b * s_Cb + g * s_Cg + n64 * s_Cn,
+    )
+
+
+@triton.jit
+def _chunk(u_row, t_row, Bp, Cp, t64, m_dt, m_nt, s_ul, s_tl, s_Bl, s_Cl, bias, HAS_BIAS: tl.constexpr,
+           SOFTPLUS: tl.constexpr):
+    """One chunk's inputs in float32: u, delta (+ bias) before and after the softplus (BLOCK_D, T);
+    B, C (BLOCK_N, T)."""
+    uu = tl.load(u_row[:, None] + t64[None, :] * s_ul, mask=m_dt, other=0.0).to(tl.float32)
+    raw, dt = _delta(t_row[:, None] + t64[None, :] * s_tl, 0, m_dt, bias, HAS_BIAS, SOFTPLUS)
+    Bt = tl.load(Bp[:, None] + t64[None, :] * s_Bl, mask=m_nt, other=0.0).to(tl.float32)
+    Ct = tl.load(Cp[:, None] + t64[None, :] * s_Cl, mask=m_nt, other=0.0).to(tl.float32)
+    return uu, raw, dt, Bt, Ct
+
+
+@triton.jit
+def _scan_fwd_kernel(
+    u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, seq_ptr,
+    out_ptr, last_ptr, ckpt_ptr,
+    L, DIM, N, H,
+    s_ub, s_ud, s_ul, s_tb, s_td, s_tl, s_zb, s_zd, s_zl, s_ob, s_od, s_ol,
+    s_Bb, s_Bg, s_Bn, s_Bl,
+    s_Cb, s_Cg, s_Cn, s_Cl,
+    T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    GATE: tl.constexpr, HAS_RESET: tl.constexpr,
+):
+    pid_b = tl.program_id(0).to(tl.int64)
+    nb = tl.num_programs(0)
+    pid_d = tl.program_id(1)
+    offs_t = tl.arange(0, T)
+    offs_d, offs_n, mask_d, mask_n, d64, dn, mask_dn, A, A2, Dv, bias = _channels(
+        A_ptr, D_ptr, bias_ptr, pid_d, DIM, N, BLOCK_D, BLOCK_N, HAS_D, HAS_BIAS)
+    u_row, t_row, z_row, Bp, Cp = _rows(
+        u_ptr, delta_ptr, z_ptr, B_ptr, C_ptr, pid_b, pid_d, offs_n, H, s_ub, s_ud, s_tb, s_td, s_zb, s_zd,
+        s_Bb, s_Bg, s_Bn, s_Cb, s_Cg, s_Cn, BLOCK_D)
+    o_row = out_ptr + pid_b * s_ob + d64 * s_od
     h = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
-    for t in tl.range(0, L, num_stages=NUM_STAGES):
-        uu = tl.load(u_ptr + row + t * s_ul, mask=mask_d, other=0.0).to(tl.float32)
-        dt = tl.load(delta_ptr + row + t * s_ul, mask=mask_d, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            dt = dt + bias
-        if SOFTPLUS:
-            dt = _softplus(dt)
-        Bt = tl.load(Bp + t * s_Bl, mask=mask_n, other=0.0).to(tl.float32)
-        Ct = tl.load(Cp + t * s_Cl, mask=mask_n, other=0.0).to(tl.float32)
-        a = tl.exp(dt[:, None] * A)
+    nchunks = tl.cdiv(L, T)
+    for c in range(0, nchunks):
+        t = c * T + offs_t
+        mask_t = t < L
+        t64 = t.to(tl.int64)
+        m_dt = mask_d[:, None] & mask_t[None, :]
+        m_nt = mask_n[:, None] & mask_t[None, :]
+        uu, _, dt, Bt, Ct = _chunk(u_row, t_row, Bp, Cp, t64, m_dt, m_nt, s_ul, s_tl, s_Bl, s_Cl, bias, HAS_BIAS,
+                                   SOFTPLUS)
+        a = tl.exp2(dt[:, None, :] * A2[:, :, None])  # (BLOCK_D, BLOCK_N, T)
         if HAS_RESET:
-            a = tl.where(tl.load(keep_ptr + t) > 0.0, a, 0.0)
-        h = a * h + (dt * uu)[:, None] * Bt[None, :]
-        y = tl.sum(h * Ct[None, :], axis=1)
+            sq = tl.load(seq_ptr + t, mask=mask_t, other=-1)
+            sq_prev = tl.load(seq_ptr + t - 1, mask=mask_t & (t > 0), other=-1)
+            a = tl.where((sq == sq_prev)[None, None, :], a, 0.0)
+        b = (dt * uu)[:, None, :] * Bt[None, :, :]
+        ac, bc = tl.associative_scan((a, b), 2, _affine)
+        hs = ac * h[:, :, None] + bc
+        y = tl.sum(hs * Ct[None, :, :], axis=1)  # (BLOCK_D, T)
         if HAS_D:
-            y = y + Dv * uu
+            y = y + Dv[:, None] * uu
         if HAS_Z:
-            zz = tl.load(z_ptr + row + t * s_ul, mask=mask_d, other=0.0).to(tl.float32)
+            zz = tl.load(z_row[:, None] + t64[None, :] * s_zl, mask=m_dt, other=0.0).to(tl.float32)
             sz = tl.sigmoid(zz)
             if GATE == 1:
                 y = y * zz * sz
             else:
                 y = y * sz
-        tl.store(out_ptr + row + t * s_ul, y.to(out_ptr.dtype.element_ty), mask=mask_d)
-        if ((t + 1) % K == 0) | (t == L - 1):
-            c = t // K
-            cp = ckpt_ptr + ((c * tl.num_programs(0) + pid_b) * DIM + offs_d[:, None]) * N + offs_n[None, :]
-            tl.store(cp, h, mask=mask_dn)
-        li = tl.load(lastidx_ptr + t)
-        if li >= 0:
-            lp = last_ptr + ((pid_b + li) * DIM + offs_d[:, None]) * N + offs_n[None, :]
-            tl.store(lp, h, mask=mask_dn)
+        tl.store(o_row[:, None] + t64[None, :] * s_ol, y.to(out_ptr.dtype.element_ty), mask=m_dt)
+        last_t = tl.minimum(L - c * T, T) - 1
+        h = tl.sum(tl.where((offs_t == last_t)[None, None, :], hs, 0.0), axis=2)
+        tl.store(ckpt_ptr + (c * nb + pid_b) * DIM * N + dn, h, mask=mask_dn)
+        if HAS_RESET:
+            sq_next = tl.load(seq_ptr + t + 1, mask=(t + 1) < L, other=-1)
+            ends = mask_t & (sq_next != sq)
+            lp = last_ptr + sq.to(tl.int64)[None, None, :] * DIM * N + dn[:, :, None]
+            tl.store(lp, hs, mask=mask_dn[:, :, None] & ends[None, None, :])
+    if not HAS_RESET:
+        tl.store(last_ptr + pid_b * DIM * N + dn, h, mask=mask_dn)
 
 
 @triton.jit
 def _scan_bwd_kernel(
-    u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, keep_ptr, lastidx_ptr,
-    dout_ptr, dlast_ptr, ckpt_ptr, scratch_ptr,
+    u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, seq_ptr,
+    dout_ptr, dlast_ptr, ckpt_ptr,
     du_ptr, ddelta_ptr, dz_ptr, dA_ptr, dD_ptr, dbias_ptr, dBp_ptr, dCp_ptr,
     L, DIM, N, H, NBLK,
-    s_ub, s_ud, s_ul,
+    s_ub, s_ud, s_ul, s_tb, s_td, s_tl, s_zb, s_zd, s_zl, s_gb, s_gd, s_gl,
     s_Bb, s_Bg, s_Bn, s_Bl,
     s_Cb, s_Cg, s_Cn, s_Cl,
-    K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     GATE: tl.constexpr, HAS_RESET: tl.constexpr, HAS_DLAST: tl.constexpr,
 ):
-    pid_b = tl.program_id(0)
-    pid_d = tl.program_id(1)
+    pid_b = tl.program_id(0).to(tl.int64)
     nb = tl.num_programs(0)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_d = offs_d < DIM
-    mask_n = offs_n < N
-    mask_dn = mask_d[:, None] & mask_n[None, :]
-    g = (pid_d * BLOCK_D) // H
-    dn_off = offs_d[:, None] * N + offs_n[None, :]
-    A = tl.load(A_ptr + dn_off, mask=mask_dn, other=0.0).to(tl.float32)
-    if HAS_D:
-        Dv = tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    row = pid_b * s_ub + offs_d * s_ud
-    Bp = B_ptr + pid_b * s_Bb + g * s_Bg + offs_n * s_Bn
-    Cp = C_ptr + pid_b * s_Cb + g * s_Cg + offs_n * s_Cn
-    # per-program scratch slab (K, BLOCK_D, BLOCK_N) for the recomputed states of one chunk
-    scr = scratch_ptr + (pid_b * tl.num_programs(1) + pid_d) * (K * BLOCK_D * BLOCK_N)
-    scr_off = tl.arange(0, BLOCK_D)[:, None] * BLOCK_N + offs_n[None, :]
-    part = (pid_b * NBLK + pid_d) * N  # row of the dB / dC partials
+    pid_d = tl.program_id(1)
+    offs_t = tl.arange(0, T)
+    offs_d, offs_n, mask_d, mask_n, d64, dn, mask_dn, A, A2, Dv, bias = _channels(
+        A_ptr, D_ptr, bias_ptr, pid_d, DIM, N, BLOCK_D, BLOCK_N, HAS_D, HAS_BIAS)
+    u_row, t_row, z_row, Bp, Cp = _rows(
+        u_ptr, delta_ptr, z_ptr, B_ptr, C_ptr, pid_b, pid_d, offs_n, H, s_ub, s_ud, s_tb, s_td, s_zb, s_zd,
+        s_Bb, s_Bg, s_Bn, s_Cb, s_Cg, s_Cn, BLOCK_D)
+    g_row = dout_ptr + pid_b * s_gb + d64 * s_gd
+    o_row = pid_b * DIM * L + d64 * L  # du, ddelta, dz: (batch, dim, L) contiguous
+    part = ((pid_b * NBLK + pid_d) * N + offs_n) * L  # rows of the dB / dC partials, (BLOCK_N,)
+    if HAS_DLAST and not HAS_RESET:
+        dl = tl.load(dlast_ptr + pid_b * DIM * N + dn, mask=mask_dn, other=0.0).to(tl.float32)
     dA_acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
     dD_acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     db_acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    lam_next = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)  # a_{t+1} * lam_{t+1}
-    nchunks = (L + K - 1) // K
+    lam_in = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)  # adjoint at the first step of the later chunk
+    nchunks = tl.cdiv(L, T)
     for cr in range(0, nchunks):
         c = nchunks - 1 - cr
-        s = c * K
-        e = tl.minimum(s + K, L)
+        t = c * T + offs_t
+        mask_t = t < L
+        mask_t1 = (t + 1) < L
+        t64 = t.to(tl.int64)
+        m_dt = mask_d[:, None] & mask_t[None, :]
+        m_nt = mask_n[:, None] & mask_t[None, :]
+        uu, raw, dt, Bt, Ct = _chunk(u_row, t_row, Bp, Cp, t64, m_dt, m_nt, s_ul, s_tl, s_Bl, s_Cl, bias, HAS_BIAS,
+                                     SOFTPLUS)
+        _, dt1 = _delta(t_row[:, None] + (t64[None, :] + 1) * s_tl, 0, mask_d[:, None] & mask_t1[None, :], bias,
+                        HAS_BIAS, SOFTPLUS)
+        dout = tl.load(g_row[:, None] + t64[None, :] * s_gl, mask=m_dt, other=0.0).to(tl.float32)
+        a = tl.exp2(dt[:, None, :] * A2[:, :, None])
+        keep1 = mask_t1
+        if HAS_RESET:
+            sq = tl.load(seq_ptr + t, mask=mask_t, other=-1)
+            sq_prev = tl.load(seq_ptr + t - 1, mask=mask_t & (t > 0), other=-1)
+            sq_next = tl.load(seq_ptr + t + 1, mask=mask_t1, other=-1)
+            a = tl.where((sq == sq_prev)[None, None, :], a, 0.0)
+            keep1 = keep1 & (sq_next == sq)
+        a1 = tl.where(keep1[None, None, :], tl.exp2(dt1[:, None, :] * A2[:, :, None]), 0.0)  # a_{t+1}
         if c > 0:
-            cp = ckpt_ptr + ((c - 1) * nb + pid_b) * DIM * N + dn_off
-            h = tl.load(cp, mask=mask_dn, other=0.0)
+            h0 = tl.load(ckpt_ptr + ((c - 1) * nb + pid_b) * DIM * N + dn, mask=mask_dn, other=0.0)
         else:
-            h = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
-        h0 = h
-        # recompute the chunk's states
-        for t in range(s, e):
-            uu = tl.load(u_ptr + row + t * s_ul, mask=mask_d, other=0.0).to(tl.float32)
-            dt = tl.load(delta_ptr + row + t * s_ul, mask=mask_d, other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                dt = dt + bias
-            if SOFTPLUS:
-                dt = _softplus(dt)
-            Bt = tl.load(Bp + t * s_Bl, mask=mask_n, other=0.0).to(tl.float32)
-            a = tl.exp(dt[:, None] * A)
-            if HAS_RESET:
-                a = tl.where(tl.load(keep_ptr + t) > 0.0, a, 0.0)
-            h = a * h + (dt * uu)[:, None] * Bt[None, :]
-            tl.store(scr + (t - s) * (BLOCK_D * BLOCK_N) + scr_off, h)
-        tl.debug_barrier()
-        # adjoint, backwards in time
-        for tr in range(s, e):
-            t = e - 1 - (tr - s)
-            uu = tl.load(u_ptr + row + t * s_ul, mask=mask_d, other=0.0).to(tl.float32)
-            dt_raw = tl.load(delta_ptr + row + t * s_ul, mask=mask_d, other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                dt_raw = dt_raw + bias
-            if SOFTPLUS:
-                dt = _softplus(dt_raw)
-            else:
-                dt = dt_raw
-            Bt = tl.load(Bp + t * s_Bl, mask=mask_n, other=0.0).to(tl.float32)
-            Ct = tl.load(Cp + t * s_Cl, mask=mask_n, other=0.0).to(tl.float32)
-            a = tl.exp(dt[:, None] * A)
-            if HAS_RESET:
-                a = tl.where(tl.load(keep_ptr + t) > 0.0, a, 0.0)
-            ht = tl.load(scr + (t - s) * (BLOCK_D * BLOCK_N) + scr_off)
-            if t > s:
-                hp = tl.load(scr + (t - s - 1) * (BLOCK_D * BLOCK_N) + scr_off)
-            else:
-                hp = h0
-            dout = tl.load(dout_ptr + row + t * s_ul, mask=mask_d, other=0.0).to(tl.float32)
-            if HAS_Z:
-                zz = tl.load(z_ptr + row + t * s_ul, mask=mask_d, other=0.0).to(tl.float32)
-                sz = tl.sigmoid(zz)
-                y = tl.sum(ht * Ct[None, :], axis=1)
-                if HAS_D:
-                    y = y + Dv * uu
-                if GATE == 1:
-                    gz = zz * sz
-                    gp = sz * (1.0 + zz * (1.0 - sz))
-                else:
-                    gz = sz
-                    gp = sz * (1.0 - sz)
-                tl.store(dz_ptr + row + t * s_ul, (dout * y * gp).to(dz_ptr.dtype.element_ty), mask=mask_d)
-                dy = dout * gz
-            else:
-                dy = dout
-            lam = lam_next + dy[:, None] * Ct[None, :]
-            if HAS_DLAST:
-                li = tl.load(lastidx_ptr + t)
-                if li >= 0:
-                    lp = dlast_ptr + (pid_b + li) * DIM * N + dn_off
-                    lam += tl.load(lp, mask=mask_dn, other=0.0).to(tl.float32)
-            lam = tl.where(mask_dn, lam, 0.0)
-            # dB, dC partials reduced over the block's channels
-            dyv = tl.where(mask_d, dy, 0.0)
-            dC_t = tl.sum(ht * dyv[:, None], axis=0)
-            dB_t = tl.sum(lam * (dt * uu)[:, None], axis=0)
-            tl.store(dCp_ptr + (part + offs_n) * L + t, dC_t, mask=mask_n)
-            tl.store(dBp_ptr + (part + offs_n) * L + t, dB_t, mask=mask_n)
-            ddtu = tl.sum(lam * Bt[None, :], axis=1)
-            dlog = lam * a * hp
-            ddt = tl.sum(dlog * A, axis=1) + ddtu * uu
-            dA_acc += dlog * dt[:, None]
-            du = ddtu * dt
+            h0 = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
+        dtu = dt * uu
+        b = dtu[:, None, :] * Bt[None, :, :]
+        ac, bc = tl.associative_scan((a, b), 2, _affine)
+        hs = ac * h0[:, :, None] + bc  # h_t
+        if HAS_Z:
+            zz = tl.load(z_row[:, None] + t64[None, :] * s_zl, mask=m_dt, other=0.0).to(tl.float32)
+            sz = tl.sigmoid(zz)
+            y = tl.sum(hs * Ct[None, :, :], axis=1)
             if HAS_D:
-                du += dy * Dv
-                dD_acc += dy * uu
-            if SOFTPLUS:
-                ddt = ddt * tl.sigmoid(dt_raw)
-            db_acc += ddt
-            tl.store(du_ptr + row + t * s_ul, du.to(du_ptr.dtype.element_ty), mask=mask_d)
-            tl.store(ddelta_ptr + row + t * s_ul, ddt.to(ddelta_ptr.dtype.element_ty), mask=mask_d)
-            lam_next = a * lam
-        tl.debug_barrier()
-    tl.store(dA_ptr + pid_b * DIM * N + dn_off, dA_acc, mask=mask_dn)
+                y = y + Dv[:, None] * uu
+            if GATE == 1:
+                gz = zz * sz
+                gp = sz * (1.0 + zz * (1.0 - sz))
+            else:
+                gz = sz
+                gp = sz * (1.0 - sz)
+            tl.store(dz_ptr + o_row[:, None] + t64[None, :], (dout * y * gp).to(dz_ptr.dtype.element_ty), mask=m_dt)
+            dy = dout * gz
+        else:
+            dy = dout
+        gin = dy[:, None, :] * Ct[None, :, :]
+        if HAS_DLAST:
+            if HAS_RESET:
+                ends = mask_t & (sq_next != sq)
+                lp = dlast_ptr + sq.to(tl.int64)[None, None, :] * DIM * N + dn[:, :, None]
+                gin += tl.load(lp, mask=mask_dn[:, :, None] & ends[None, None, :], other=0.0).to(tl.float32)
+            else:
+                gin += tl.where((t == L - 1)[None, None, :], dl[:, :, None], 0.0)
+        # lam_t = gin_t + a_{t+1} lam_{t+1}; the later chunk's adjoint enters through a_{t+1} at the last step
+        lc, gc = tl.associative_scan((a1, gin), 2, _affine, reverse=True)
+        lam = lc * lam_in[:, :, None] + gc
+        lam_in = tl.sum(tl.where((offs_t == 0)[None, None, :], lam, 0.0), axis=2)
+        dlog = lam * (hs - b)  # lam_t a_t h_{t-1}
+        dC = tl.sum(hs * dy[:, None, :], axis=0)  # (BLOCK_N, T)
+        dB = tl.sum(lam * dtu[:, None, :], axis=0)
+        tl.store(dCp_ptr + part[:, None] + t64[None, :], dC, mask=m_nt)
+        tl.store(dBp_ptr + part[:, None] + t64[None, :], dB, mask=m_nt)
+        ddtu = tl.sum(lam * Bt[None, :, :], axis=1)  # (BLOCK_D, T)
+        ddt = tl.sum(dlog * A[:, :, None], axis=1) + ddtu * uu
+        dA_acc += tl.sum(dlog * dt[:, None, :], axis=2)
+        du = ddtu * dt
+        if HAS_D:
+            du += dy * Dv[:, None]
+            dD_acc += tl.sum(dy * uu, axis=1)
+        if SOFTPLUS:
+            ddt = ddt * tl.sigmoid(raw)
+        ddt = tl.where(m_dt, ddt, 0.0)
+        db_acc += tl.sum(ddt, axis=1)
+        tl.store(du_ptr + o_row[:, None] + t64[None, :], du.to(du_ptr.dtype.element_ty), mask=m_dt)
+        tl.store(ddelta_ptr + o_row[:, None] + t64[None, :], ddt.to(ddelta_ptr.dtype.element_ty), mask=m_dt)
+    tl.store(dA_ptr + pid_b * DIM * N + dn, dA_acc, mask=mask_dn)
     if HAS_D:
         tl.store(dD_ptr + pid_b * DIM + offs_d, dD_acc, mask=mask_d)
     if HAS_BIAS:
@@ -240,47 +295,55 @@ def _scan_bwd_kernel(
 def _state_update_kernel(
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, out_ptr,
     DIM, N, H,
-    s_sb, s_sd, s_sn, s_xb, s_xd, s_Bb, s_Bg, s_Bn, s_Cb, s_Cg, s_Cn,
+    s_sb, s_sd, s_sn, s_xb, s_xd, s_tb, s_td, s_zb, s_zd, s_ob, s_od,
+    s_Bb, s_Bg, s_Bn, s_Cb, s_Cg, s_Cn,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     GATE: tl.constexpr,
 ):
-    pid_b = tl.program_id(0)
+    pid_b = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     mask_d = offs_d < DIM
     mask_n = offs_n < N
     mask_dn = mask_d[:, None] & mask_n[None, :]
-    g = offs_d // H
-    sp = state_ptr + pid_b * s_sb + offs_d[:, None] * s_sd + offs_n[None, :] * s_sn
+    d64 = offs_d.to(tl.int64)
+    n64 = offs_n.to(tl.int64)
+    g = d64 // H
+    sp = state_ptr + pid_b * s_sb + d64[:, None] * s_sd + n64[None, :] * s_sn
     h = tl.load(sp, mask=mask_dn, other=0.0).to(tl.float32)
-    xo = pid_b * s_xb + offs_d * s_xd
-    x = tl.load(x_ptr + xo, mask=mask_d, other=0.0).to(tl.float32)
-    dt = tl.load(dt_ptr + xo, mask=mask_d, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + pid_b * s_xb + d64 * s_xd, mask=mask_d, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + pid_b * s_tb + d64 * s_td, mask=mask_d, other=0.0).to(tl.float32)
     if HAS_BIAS:
         dt += tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     if SOFTPLUS:
         dt = _softplus(dt)
-    A = tl.load(A_ptr + offs_d[:, None] * N + offs_n[None, :], mask=mask_dn, other=0.0).to(tl.float32)
-    Bv = tl.load(B_ptr + pid_b * s_Bb + g[:, None] * s_Bg + offs_n[None, :] * s_Bn, mask=mask_dn, other=0.0)
-    Cv = tl.load(C_ptr + pid_b * s_Cb + g[:, None] * s_Cg + offs_n[None, :] * s_Cn, mask=mask_dn, other=0.0)
+    A = tl.load(A_ptr + d64[:, None] * N + offs_n[None, :], mask=mask_dn, other=0.0).to(tl.float32)
+    Bv = tl.load(B_ptr + pid_b * s_Bb + g[:, None] * s_Bg + n64[None, :] * s_Bn, mask=mask_dn, other=0.0)
+    Cv = tl.load(C_ptr + pid_b * s_Cb + g[:, None] * s_Cg + n64[None, :] * s_Cn, mask=mask_dn, other=0.0)
     h = tl.exp(dt[:, None] * A) * h + (dt * x)[:, None] * Bv.to(tl.float32)
     tl.store(sp, h.to(state_ptr.dtype.element_ty), mask=mask_dn)
     y = tl.sum(h * Cv.to(tl.float32), axis=1)
     if HAS_D:
         y += x * tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     if HAS_Z:
-        zz = tl.load(z_ptr + xo, mask=mask_d, other=0.0).to(tl.float32)
+        zz = tl.load(z_ptr + pid_b * s_zb + d64 * s_zd, mask=mask_d, other=0.0).to(tl.float32)
         sz = tl.sigmoid(zz)
         if GATE == 1:
             y = y * zz * sz
         else:
             y = y * sz
-    tl.store(out_ptr + xo, y.to(out_ptr.dtype.element_ty), mask=mask_d)
+    tl.store(out_ptr + pid_b * s_ob + d64 * s_od, y.to(out_ptr.dtype.element_ty), mask=mask_d)
 
 
-def _block_d(dim: int, H: int, cap: int = 32) -> int:
+def _on(device: torch.device):
+    """``torch.cuda.device(device)`` around a launch on a CUDA tensor (the kernel runs on the tensor's
+    GPU, not the current one); nothing on the CPU (interpreter)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _block_d(H: int, cap: int) -> int:
     """Largest power of two <= cap dividing H (so a block stays inside one group)."""
     b = 1
     while b * 2 <= cap and H % (b * 2) == 0:
@@ -288,23 +351,27 @@ def _block_d(dim: int, H: int, cap: int = 32) -> int:
     return b
 
 
-def _aux(cu_seqlens: Optional[torch.Tensor], L: int, device: torch.device):
-    keep = torch.ones(max(L, 1), device=device, dtype=torch.float32)
-    lastidx = torch.full((max(L, 1),), -1, device=device, dtype=torch.int32)
+def blocks(dim: int, H: int, N: int, chunk: int):
+    """(BLOCK_D, BLOCK_N) of the scan kernels: a (BLOCK_D, BLOCK_N, chunk) tile of about TILE elements."""
+    BN = triton.next_power_of_2(N)
+    return _block_d(H, max(1, TILE // (BN * chunk))), BN
+
+
+def seq_index(cu_seqlens: Optional[torch.Tensor], L: int, device: torch.device) -> Optional[torch.Tensor]:
+    """int32 (L,): the packed sequence each step belongs to (None without cu_seqlens).  On the device, no
+    host sync: step t is in the last sequence i with cu_seqlens[i] <= t (empty sequences own no step)."""
     if cu_seqlens is None:
-        if L > 0:
-            lastidx[L - 1] = 0
-        return keep, lastidx, False
-    cs = [int(v) for v in cu_seqlens.tolist()]
-    for i in range(len(cs) - 1):
-        if cs[i + 1] > cs[i]:
-            keep[cs[i]] = 0.0
-            lastidx[cs[i + 1] - 1] = i
-    return keep, lastidx, True
+        return None
+    steps = torch.arange(L, device=device, dtype=cu_seqlens.dtype)
+    return (torch.searchsorted(cu_seqlens.to(device), steps, right=True) - 1).to(torch.int32)
 
 
-def _strides(u, B, C):
-    return (*u.stride(), *B.stride(), *C.stride())
+def _opt(x: Optional[torch.Tensor], ref: torch.Tensor) -> torch.Tensor:
+    return ref if x is None else x
+
+
+def _s3(x: Optional[torch.Tensor]):
+    return tuple(x.stride()) if x is not None else (0, 0, 0)
 
 
 def scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, gate, cu_seqlens, chunk: int = 64):
@@ -312,68 +379,71 @@ def scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, gate, cu_seqle
     batch, dim, L = u.shape
     G, N = B.shape[1], A.shape[1]
     H = dim // G
-    u, delta = u.contiguous(), delta.contiguous()
-    z = z.contiguous() if z is not None else None
     A = A.contiguous()
     D = D.contiguous() if D is not None else None
     delta_bias = delta_bias.contiguous() if delta_bias is not None else None
-    nlast = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    out = torch.empty_like(u)
-    last = torch.zeros((nlast, dim, N), device=u.device, dtype=torch.float32)
+    f32 = dict(device=u.device, dtype=torch.float32)
+    out = torch.empty((batch, dim, L), device=u.device, dtype=u.dtype)
+    if cu_seqlens is None:
+        last = torch.empty((batch, dim, N), **f32) if L > 0 else torch.zeros((batch, dim, N), **f32)
+    else:
+        last = torch.zeros((cu_seqlens.shape[0] - 1, dim, N), **f32)  # an empty sequence keeps zeros
     nck = (L + chunk - 1) // chunk
-    ckpt = torch.zeros((nck, batch, dim, N), device=u.device, dtype=torch.float32)
+    ckpt = torch.empty((nck, batch, dim, N), **f32)
     if L == 0:
         return out, last, ckpt
-    keep, lastidx, has_reset = _aux(cu_seqlens, L, u.device)
-    BD = _block_d(dim, H)
+    seq = seq_index(cu_seqlens, L, u.device)
+    BD, BN = blocks(dim, H, N, chunk)
     grid = (batch, triton.cdiv(dim, BD))
-    _scan_fwd_kernel[grid](
-        u, delta, A, B, C, D if D is not None else u, z if z is not None else u,
-        delta_bias if delta_bias is not None else u, keep, lastidx, out, last, ckpt,
-        L, dim, N, H, *_strides(u, B, C),
-        K=chunk, BLOCK_D=BD, BLOCK_N=triton.next_power_of_2(N),
-        HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, SOFTPLUS=delta_softplus,
-        GATE=_GATES[gate], HAS_RESET=has_reset, NUM_STAGES=2,
-    )
+    with _on(u.device):
+        _scan_fwd_kernel[grid](
+            u, delta, A, B, C, _opt(D, u), _opt(z, u), _opt(delta_bias, u), _opt(seq, u),
+            out, last, ckpt,
+            L, dim, N, H, *u.stride(), *delta.stride(), *_s3(z), *out.stride(), *B.stride(), *C.stride(),
+            T=chunk, BLOCK_D=BD, BLOCK_N=BN,
+            HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, SOFTPLUS=delta_softplus,
+            GATE=_GATES[gate], HAS_RESET=seq is not None,
+        )
     return out, last, ckpt
 
 
 def scan_bwd(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, gate, cu_seqlens, ckpt,
              chunk: int = 64):
-    """Backward on canonical shapes; float32 (or input-dtype) grads (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias)."""
+    """Backward on canonical shapes: (du, ddelta, dz) in the inputs' dtypes, (dA, dB, dC, dD, ddelta_bias)
+    in float32."""
     batch, dim, L = u.shape
     G, N = B.shape[1], A.shape[1]
     H = dim // G
-    u, delta, dout = u.contiguous(), delta.contiguous(), dout.contiguous()
-    z = z.contiguous() if z is not None else None
     A = A.contiguous()
     D = D.contiguous() if D is not None else None
     delta_bias = delta_bias.contiguous() if delta_bias is not None else None
-    BD = _block_d(dim, H)
-    BN = triton.next_power_of_2(N)
+    BD, BN = blocks(dim, H, N, chunk)
     nblk = triton.cdiv(dim, BD)
-    f32 = dict(device=u.device, dtype=torch.float32)
-    du = torch.empty((batch, dim, L), **f32)
-    ddelta = torch.empty((batch, dim, L), **f32)
-    dz = torch.empty((batch, dim, L), **f32) if z is not None else None
-    dA = torch.zeros((batch, dim, N), **f32)
-    dD = torch.zeros((batch, dim), **f32)
-    dbias = torch.zeros((batch, dim), **f32)
-    dBp = torch.zeros((batch, nblk, N, L), **f32)
-    dCp = torch.zeros((batch, nblk, N, L), **f32)
-    scratch = torch.empty((batch * nblk * chunk * BD * BN,), **f32)
-    keep, lastidx, has_reset = _aux(cu_seqlens, L, u.device)
+    dev = u.device
+    f32 = dict(device=dev, dtype=torch.float32)
+    # every element below is written by the kernel (when L > 0)
+    new = torch.empty if L > 0 else torch.zeros
+    du = torch.empty((batch, dim, L), device=dev, dtype=u.dtype)
+    ddelta = torch.empty((batch, dim, L), device=dev, dtype=delta.dtype)
+    dz = torch.empty((batch, dim, L), device=dev, dtype=z.dtype) if z is not None else None
+    dA = new((batch, dim, N), **f32)
+    dD = new((batch, dim), **f32)
+    dbias = new((batch, dim), **f32)
+    dBp = torch.empty((batch, nblk, N, L), **f32)
+    dCp = torch.empty((batch, nblk, N, L), **f32)
     if L > 0:
-        _scan_bwd_kernel[(batch, nblk)](
-            u, delta, A, B, C, D if D is not None else u, z if z is not None else u,
-            delta_bias if delta_bias is not None else u, keep, lastidx,
-            dout, dlast.contiguous() if dlast is not None else u, ckpt, scratch,
-            du, ddelta, dz if dz is not None else du, dA, dD, dbias, dBp, dCp,
-            L, dim, N, H, nblk, *_strides(u, B, C),
-            K=chunk, BLOCK_D=BD, BLOCK_N=BN,
-            HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, SOFTPLUS=delta_softplus,
-            GATE=_GATES[gate], HAS_RESET=has_reset, HAS_DLAST=dlast is not None,
-        )
+        seq = seq_index(cu_seqlens, L, dev)
+        with _on(dev):
+            _scan_bwd_kernel[(batch, nblk)](
+                u, delta, A, B, C, _opt(D, u), _opt(z, u), _opt(delta_bias, u), _opt(seq, u),
+                dout, _opt(dlast.contiguous() if dlast is not None else None, u), ckpt,  # (batch, dim, N): small
+                du, ddelta, _opt(dz, du), dA, dD, dbias, dBp, dCp,
+                L, dim, N, H, nblk,
+                *u.stride(), *delta.stride(), *_s3(z), *dout.stride(), *B.stride(), *C.stride(),
+                T=chunk, BLOCK_D=BD, BLOCK_N=BN,
+                HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
+                SOFTPLUS=delta_softplus, GATE=_GATES[gate], HAS_RESET=seq is not None, HAS_DLAST=dlast is not None,
+            )
     dB = dBp.view(batch, G, nblk // G, N, L).sum(2)
     dC = dCp.view(batch, G, nblk // G, N, L).sum(2)
     return (
@@ -383,25 +453,25 @@ def scan_bwd(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, g
 
 
 def state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, gate):
-    """Decode step kernel launcher (state updated in place); arguments as in selective_state_update."""
+    """Decode step kernel launcher (state updated in place); arguments as in selective_state_update.
+    Every tensor is read with its own strides; ``out`` is a new contiguous (batch, dim) tensor."""
     batch, dim, N = state.shape
     Bc = B if B.dim() == 3 else B.unsqueeze(1)
     Cc = C if C.dim() == 3 else C.unsqueeze(1)
     H = dim // Bc.shape[1]
-    out = torch.empty_like(x)
+    out = torch.empty((batch, dim), device=x.device, dtype=x.dtype)
     A = A.contiguous()
-    x, dt = x.contiguous(), dt.contiguous()
     D = D.contiguous() if D is not None else None
     dt_bias = dt_bias.contiguous() if dt_bias is not None else None
-    z = z.contiguous() if z is not None else None
     BD = min(32, triton.next_power_of_2(dim))
     grid = (batch, triton.cdiv(dim, BD))
-    _state_update_kernel[grid](
-        state, x, dt, A, Bc, Cc, D if D is not None else x, z if z is not None else x,
-        dt_bias if dt_bias is not None else x, out,
-        dim, N, H, *state.stride(), *x.stride(), *Bc.stride(), *Cc.stride(),
-        BLOCK_D=BD, BLOCK_N=triton.next_power_of_2(N),
-        HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
-        GATE=_GATES[gate],
-    )
+    with _on(state.device):
+        _state_update_kernel[grid](
+            state, x, dt, A, Bc, Cc, _opt(D, x), _opt(z, x), _opt(dt_bias, x), out,
+            dim, N, H, *state.stride(), *x.stride(), *dt.stride(),
+            *(z.stride() if z is not None else (0, 0)), *out.stride(), *Bc.stride(), *Cc.stride(),
+            BLOCK_D=BD, BLOCK_N=triton.next_power_of_2(N),
+            HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
+            GATE=_GATES[gate],
+        )
     return out

@@ -40,11 +40,15 @@ SCRIPT = textwrap.dedent(
 
     dt = "bf16"
     io = {k: "*" + dt for k in ("u_ptr", "delta_ptr", "z_ptr", "out_ptr", "B_ptr", "C_ptr", "dout_ptr")}
-    io["lastidx_ptr"] = "*i32"
-    flags = dict(HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, GATE=1, HAS_RESET=True)
-    c = dict(K=64, BLOCK_D=32, BLOCK_N=16, **flags)
-    compile_(ts._scan_fwd_kernel, io, dict(c, NUM_STAGES=2))
-    compile_(ts._scan_bwd_kernel, io, dict(c, HAS_DLAST=True))
+    io["seq_ptr"] = "*i32"
+    io.update({k: "*" + dt for k in ("du_ptr", "ddelta_ptr", "dz_ptr")})
+    for n, reset in ((16, True), (64, False)):
+        bd, bn = ts.blocks(4096, 4096, n, 64)
+        if True:
+            flags = dict(HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, GATE=1, HAS_RESET=reset)
+            c = dict(T=64, BLOCK_D=bd, BLOCK_N=bn, **flags)
+            compile_(ts._scan_fwd_kernel, io, c)
+            compile_(ts._scan_bwd_kernel, io, dict(c, HAS_DLAST=True))
     io2 = {k: "*" + dt for k in ("x_ptr", "dt_ptr", "z_ptr", "out_ptr", "B_ptr", "C_ptr")}
     c2 = dict(BLOCK_D=32, BLOCK_N=16, HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, GATE=2)
     compile_(ts._state_update_kernel, io2, c2)
