@@ -21,7 +21,7 @@ from torch import Tensor
 from . import torch_scan
 from ._checks import check_scan_args
 
-TRITON_CHUNK = 64
+TRITON_CHUNK = 32
 
 
 def checkpoint_stride(backend: str) -> int:

@@ -43,12 +43,11 @@ SCRIPT = textwrap.dedent(
     io["seq_ptr"] = "*i32"
     io.update({k: "*" + dt for k in ("du_ptr", "ddelta_ptr", "dz_ptr")})
     for n, reset in ((16, True), (64, False)):
-        bd, bn = ts.blocks(4096, 4096, n, 64)
-        if True:
-            flags = dict(HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, GATE=1, HAS_RESET=reset)
-            c = dict(T=64, BLOCK_D=bd, BLOCK_N=bn, **flags)
-            compile_(ts._scan_fwd_kernel, io, c)
-            compile_(ts._scan_bwd_kernel, io, dict(c, HAS_DLAST=True))
+        flags = dict(HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, GATE=1, HAS_RESET=reset)
+        bd, bn = ts.blocks(4096, 4096, n, 32, ts.FWD_TILE)
+        compile_(ts._scan_fwd_kernel, io, dict(T=32, BLOCK_D=bd, BLOCK_N=bn, **flags))
+        c = dict(T=32, BLOCK_D=4, BLOCK_N=bn, NSUB=ts.BWD_CHANNELS // 4, HAS_DLAST=True, **flags)
+        compile_(ts._scan_bwd_kernel, io, c)
     io2 = {k: "*" + dt for k in ("x_ptr", "dt_ptr", "z_ptr", "out_ptr", "B_ptr", "C_ptr")}
     c2 = dict(BLOCK_D=32, BLOCK_N=16, HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, GATE=2)
     compile_(ts._state_update_kernel, io2, c2)
