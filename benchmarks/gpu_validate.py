@@ -1150,6 +1150,146 @@ def install_checkout(target: Path) -> None:
     say(f"  done in {time.perf_counter() - t:.1f} s")
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# --static: sm_90 compile of the kernels on the CPU (no GPU): registers, spill stack, barriers, SASS per element
+
+STATIC_OLD_REV = "dbfebe7"  # the per-step kernels before issue 19 (kernels/triton_scan.py at that commit)
+_UNIT_STRIDES = ("s_ul", "s_tl", "s_zl", "s_ol", "s_gl", "s_Bl", "s_Cl", "s_sn", "s_Bn", "s_Cn",
+                 "s_xd", "s_td", "s_zd", "s_od")  # stride-1 arguments the JIT specializes on a contiguous input
+
+
+def _load_source(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _sm90(fn, consts: Dict[str, Any], warps: int, dtype: str = "bf16"):
+    """Compile ``fn`` for sm_90 ahead of time; every pointer bf16 (i32 for sequence indices), ints i32."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    consts = dict(consts, **{a: 1 for a in fn.arg_names if a in _UNIT_STRIDES and a not in consts})
+    float_io = ("u_ptr", "delta_ptr", "z_ptr", "out_ptr", "B_ptr", "C_ptr", "dout_ptr", "du_ptr", "ddelta_ptr",
+                "dz_ptr", "x_ptr", "dt_ptr")
+    sig = {}
+    for a in fn.arg_names:
+        if a in consts:
+            sig[a] = "constexpr"
+        elif a.endswith("_ptr"):
+            sig[a] = "*i32" if a in ("seq_ptr", "lastidx_ptr") else ("*" + dtype if a in float_io else "*fp32")
+        else:
+            sig[a] = "i32"
+    return triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=warps))
+
+
+def _sass_stats(kernel) -> Dict[str, Any]:
+    """Registers and stack (cuobjdump), SASS instruction and barrier counts of the whole kernel and of its
+    innermost loops (summed: the old backward has two per step)."""
+    import re
+    import tempfile
+
+    import triton
+
+    bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        dis = subprocess.run([str(bindir / "nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
+        res = subprocess.run([str(bindir / "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
+    instrs, labels, pending = [], {}, []
+    for ln in dis.splitlines():
+        lab = re.match(r"^\s*(\.L\w+):", ln)
+        if lab:
+            pending.append(lab.group(1))
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", ln)
+        if m:
+            addr = int(m.group(1), 16)
+            for p in pending:
+                labels[p] = addr
+            pending = []
+            instrs.append((addr, m.group(2).strip()))
+    loops = []  # (start, end, sass, barriers, MUFU) of every loop (a backward branch)
+    for addr, text in instrs:
+        m = re.search(r"BRA\s+(?:`\()?(\.L\w+)", text)
+        if m and m.group(1) in labels and labels[m.group(1)] <= addr:
+            body = [t for a, t in instrs if labels[m.group(1)] <= a <= addr]
+            if len(body) > 8:
+                loops.append((labels[m.group(1)], addr, len(body), sum("BAR" in t for t in body),
+                              sum("MUFU" in t for t in body)))
+    # the innermost loops (containing no other loop) run once per step (old) or per chunk and block (new)
+    inner = [lp for lp in loops if not any(o is not lp and lp[0] <= o[0] and o[1] <= lp[1] for o in loops)]
+    hot = [sum(lp[i] for lp in inner) for i in (2, 3, 4)] if inner else [None] * 3
+    reg = re.search(r"REG:(\d+)", res)
+    stack = re.search(r"STACK:(\d+)", res)
+    return dict(regs=int(reg.group(1)) if reg else None, stack_bytes=int(stack.group(1)) if stack else None,
+                sass=len(instrs), barriers=sum("BAR" in t for _, t in instrs),
+                loop_sass=hot[0], loop_barriers=hot[1], loop_mufu=hot[2])
+
+
+def static_rows(old_source: Optional[Path]) -> List[Dict[str, Any]]:
+    """One row per (kernel, version, dstate): the figures of :func:`_sass_stats` and warp-instructions per
+    (b, d, t) element = hot-loop SASS x warps / (b, d, t) elements one loop iteration covers."""
+    from certblocks.kernels import triton_scan as new
+
+    flags = dict(HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, GATE=1, HAS_RESET=False)
+    dec = dict(HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, GATE=1)
+    rows = []
+
+    def row(kernel, version, n, fn, consts, warps, elems, extra=""):
+        st = _sass_stats(_sm90(fn, consts, warps))
+        per = st["loop_sass"] * warps / elems if kernel != "decode" else st["sass"] * warps / elems
+        rows.append(dict(kernel=kernel, version=version, dstate=n, warps=warps, config=extra,
+                         warp_instr_per_elem=round(per, 1), **st))
+
+    for n in (16, 64):
+        if old_source is not None:
+            old = _load_source(old_source, "certblocks_old_triton_scan")
+            c = dict(K=64, BLOCK_D=32, BLOCK_N=n, **flags)
+            row("forward", "old", n, old._scan_fwd_kernel, dict(c, NUM_STAGES=2), 4, 32, "32 ch, 1 step")
+            row("backward", "old", n, old._scan_bwd_kernel, dict(c, HAS_DLAST=True), 4, 32, "32 ch, 1 step")
+            row("decode", "old", n, old._state_update_kernel, dict(BLOCK_D=32, BLOCK_N=n, **dec), 4, 32, "32 ch")
+        T = 32
+        bd, bn = new.blocks(4096, 4096, n, T, new.FWD_TILE)
+        row("forward", "new", n, new._scan_fwd_kernel, dict(T=T, BLOCK_D=bd, BLOCK_N=bn, **flags), 4, bd * T,
+            f"{bd} ch x {T} steps")
+        bd = new._block_d(4096, max(4, new.BWD_TILE // (bn * T)))
+        c = dict(T=T, BLOCK_D=bd, BLOCK_N=bn, NSUB=new.BWD_CHANNELS // bd, HAS_DLAST=True, **flags)
+        row("backward", "new", n, new._scan_bwd_kernel, c, 4, bd * T, f"{bd} ch x {T} steps")
+        row("decode", "new", n, new._state_update_kernel, dict(BLOCK_D=32, BLOCK_N=n, **dec), 4, 32, "32 ch")
+    return rows
+
+
+def static_main(args) -> int:
+    """``--static``: the table of :func:`static_rows` (old kernels from git revision ``--static-old``)."""
+    os.environ.pop("TRITON_INTERPRET", None)
+    old_source = None
+    if args.static_old:
+        text = subprocess.run(["git", "-C", str(HERE.parent), "show", f"{args.static_old}:kernels/triton_scan.py"],
+                              capture_output=True, text=True)
+        if text.returncode == 0:
+            old_source = Path(os.environ.get("TMPDIR", "/tmp")) / "certblocks_old_triton_scan.py"
+            old_source.write_text(text.stdout)
+        else:
+            say(f"old kernels unavailable ({text.stderr.strip()}); new kernels only")
+    rows = static_rows(old_source)
+    say("| kernel | version | N | tile / program step | regs | stack B | barriers in loop | SASS in loop | "
+        "warp-instr per (b,d,t) |")
+    say("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        say(f"| {r['kernel']} | {r['version']} | {r['dstate']} | {r['config']} | {r['regs']} | {r['stack_bytes']} | "
+            f"{r['loop_barriers'] if r['kernel'] != 'decode' else r['barriers']} | "
+            f"{r['loop_sass'] if r['kernel'] != 'decode' else r['sass']} | {r['warp_instr_per_elem']} |")
+    out = Path(args.out) if args.out else default_out(False).with_name("gpu_static.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(rows=rows, old_rev=args.static_old), indent=1))
+    say(f"JSON: {out}")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-smoke", action="store_true",
@@ -1164,7 +1304,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "works offline) and import certblocks from there")
     ap.add_argument("--inject-fault", action="store_true",
                     help="perturb the first checked result (shows that a wrong kernel output is reported as a failure)")
+    ap.add_argument("--static", action="store_true",
+                    help="no GPU: compile the kernels for sm_90 on the CPU and print registers, spills, barriers and "
+                         "SASS instructions per element (old kernels from git revision --static-old)")
+    ap.add_argument("--static-old", default=STATIC_OLD_REV, metavar="REV",
+                    help="git revision whose kernels/triton_scan.py is the 'old' column of --static ('' for none)")
     args = ap.parse_args(list(argv) if argv is not None else None)
+    if args.static:
+        return static_main(args)
 
     if args.install_to:
         install_checkout(Path(args.install_to))
@@ -1179,6 +1326,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if "triton" in sys.modules:
                 say("warning: triton was imported before TRITON_INTERPRET=1 was set; the kernels may not run on CPU")
             os.environ["TRITON_INTERPRET"] = "1"
+        from certblocks.kernels._interpreter import vectorize_interpreter_scan
+
+        vectorize_interpreter_scan()  # the interpreter's associative scan, slice by slice (same results)
         torch.set_num_threads(args.threads or 1)
         device = torch.device("cpu")
     else:
