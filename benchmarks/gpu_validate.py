@@ -1,22 +1,29 @@
 """GPU validation of the Triton selective-scan kernels: correctness, throughput, blocks (issue 9).
 
 Device machine (one NVIDIA H200; its image has python3 with torch, triton, einops and mpmath, no network and no
-mamba-ssm): one command from the repository root, run with ``timeout_s=560`` (``--install-to`` pip-installs this
-checkout there first, offline and without dependencies)::
+mamba-ssm): one command from the repository root, run with ``timeout_s=420`` (``--install-to`` pip-installs this
+checkout there first, offline and without dependencies, and copies the package onto ``sys.path`` when pip fails);
+the checks stop after ``--budget-s`` (300 s), each section after its own cap (``Plan.section_s``)::
 
-    python3 benchmarks/gpu_validate.py --install-to /tmp/cb
+    PYTHONUNBUFFERED=1 python3 benchmarks/gpu_validate.py --install-to /tmp/cb
 
 A fresh machine with network access instead (python3 and pip only; torch's CUDA wheel from the default index)::
 
     python3 -m venv /tmp/gv && . /tmp/gv/bin/activate && pip install -q torch && pip install -q -e '.[triton]' \\
         && python benchmarks/gpu_validate.py
 
+Static figures without a GPU (sm_90 compile on the CPU: registers, spills, barriers, SASS per element, old kernels
+against new; see benchmarks/RESULTS.md)::
+
+    python benchmarks/gpu_validate.py --static
+
 CPU smoke run: the same code paths at tiny shapes, the Triton kernels in Triton's interpreter::
 
     TRITON_INTERPRET=1 python benchmarks/gpu_validate.py --cpu-smoke
 
 Sections, in this order.  ``--budget-s`` skips whatever remains, with a printed note, once that many seconds have
-passed; the JSON is rewritten after every section, so partial results survive a timeout.
+passed, and a section's cap skips the rest of that section; the JSON (and its Markdown) is rewritten after every
+check and every printed line is appended to a ``.log`` beside it, so a killed run keeps everything done so far.
 
 1. ``env``: GPU name, driver, torch / CUDA / triton / mamba-ssm versions, date; the two ceilings, measured: the
    device-to-device copy bandwidth and the rate of ``tl.exp`` (a Triton kernel that only chains exponentials).
@@ -28,12 +35,17 @@ passed; the JSON is rewritten after every section, so partial results survive a 
    dtype x gate x B/C layout and prefill + decode chains; for gate silu, mamba-ssm's CUDA ``selective_scan_fn``
    and Triton ``selective_state_update`` when ``selective_scan_cuda`` imports (reported "unavailable" otherwise;
    this script never builds it).
-3. ``throughput``: bf16, B=8, L=2048, N=16, D=2048 and 4096: forward, forward+backward and decode step of the
+3. ``paths`` (issue 19): the chunked kernels' paths at GPU size: dstate 1, 12, 16, 64 with dim not a multiple of
+   32 and L not a multiple of the chunk; channel-last inputs; a packed batch with empty and length-1 sequences;
+   bit-identical reruns; the decode step with permuted inputs.
+4. ``throughput``: bf16, B=8, L=2048, N=16, D=2048 and 4096: forward, forward+backward and decode step of the
    Triton kernels against mamba-ssm (when available) and against the bound max(bytes / copy bandwidth,
    exponentials / exp rate).  CUDA events, medians of repeats after warm-up.
-4. ``blocks``: tokens/s of LinearGrowthMamba and certblocks Mamba against ``mamba_ssm.Mamba``, and of the zoo's
+5. ``blocks``: tokens/s of LinearGrowthMamba and certblocks Mamba against ``mamba_ssm.Mamba``, and of the zoo's
    Mamba forecaster against the same forecaster with ``mamba_ssm.Mamba`` mixers (same weights).
-5. ``matrix-rest``: the remaining 18 combinations of the correctness matrix, and one case without D, delta_bias
+6. ``compile``: LinearGrowthMamba (triton) under ``torch.compile(fullgraph=True, mode="reduce-overhead")`` (CUDA
+   graphs) against eager, outputs and input gradients, then both timed.
+7. ``matrix-rest``: the remaining 18 combinations of the correctness matrix, and one case without D, delta_bias
    and softplus.
 
 Writes a report to stdout, JSON to ``$OUT/gpu_validate.json`` (``$OUT`` set) or ``benchmarks/out/gpu_validate.json``
@@ -140,6 +152,10 @@ class Plan:
     exp_block: int
     exp_programs_per_sm: int
     exp_iters: int
+    paths: Shape = Shape(2, 264, 16, 1041, 1, (0,))  # issue 19's paths: dim not a multiple of 32, L not of the chunk
+    compile_dmodel: int = 512  # LinearGrowthMamba under torch.compile / CUDA graphs (batch, seqlen of the blocks)
+    section_s: Tuple[Tuple[str, float], ...] = (("correctness", 110.0), ("paths", 50.0), ("throughput", 60.0),
+                                               ("blocks", 40.0), ("compile", 45.0), ("matrix-rest", 40.0))
 
 
 _CORE, _REST = matrix_split()
@@ -181,6 +197,8 @@ SMOKE_PLAN = Plan(
     thr_batch=1, thr_seqlen=8, thr_dstate=4, thr_dims=(8,), repeats=1, warmup=0, decode_calls=2,
     block_batch=1, block_seqlen=8, block_dmodels=(4,), forecaster_size="_test", forecaster_batch=1,
     copy_bytes=4 * 2**20, exp_block=64, exp_programs_per_sm=1, exp_iters=8,
+    paths=Shape(1, 6, 4, 37, 1, (0,)), compile_dmodel=8,
+    section_s=(),  # no per-section caps (the whole run has --budget-s)
 )
 
 
@@ -257,15 +275,20 @@ class Report:
     skipped: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
     sections_s: Dict[str, float] = field(default_factory=dict)
+    section_deadline: float = float("inf")  # perf_counter time at which the running section stops
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
 
     def out_of_time(self, what: str) -> bool:
-        if self.elapsed() <= self.budget_s:
+        if self.elapsed() > self.budget_s:
+            why = f"budget of {self.budget_s:.0f} s spent at {self.elapsed():.0f} s"
+        elif time.perf_counter() > self.section_deadline:
+            why = "this section's time is spent"
+        else:
             return False
         self.skipped.append(what)
-        say(f"  SKIPPED (budget of {self.budget_s:.0f} s spent at {self.elapsed():.0f} s): {what}")
+        say(f"  SKIPPED ({why}): {what}")
         return True
 
     def note(self, msg: str) -> None:
@@ -310,6 +333,7 @@ class Report:
         say(f"  {rec['status'].upper():<10} {name} [{rec['seconds']:.1f} s] {line}")
         if self.mode == "gpu":
             torch.cuda.empty_cache()
+        self.save()  # after every check: a killed run keeps everything checked so far
         return rec
 
     def counts(self) -> Dict[str, int]:
@@ -336,8 +360,14 @@ class Report:
         self.out_path.with_suffix(".md").write_text(markdown(self))
 
 
+LOG: List[Optional[Path]] = [None]  # the log file every printed line is appended to (beside the JSON)
+
+
 def say(msg: str) -> None:
     print(msg, flush=True)
+    if LOG[0] is not None:
+        with open(LOG[0], "a") as f:
+            f.write(msg + "\n")
 
 
 # ----------------------------------------------------------------------------------------------- inputs, runs
@@ -810,6 +840,110 @@ def section_matrix_rest(rep: Report, plan: Plan, device: torch.device) -> None:
                             plain=True)
 
 
+# ----------------------------------------------------------------------------------------------- issue 19's paths
+def _channel_last(v: torch.Tensor) -> torch.Tensor:
+    """The same values stored time-major along the last two axes (stride 1 along channels / states)."""
+    return v.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def section_paths(rep: Report, plan: Plan, device: torch.device) -> None:
+    """The paths of the chunked kernels the CPU tests cover at tiny shapes, at GPU size: dstate 1, 12, 16, 64;
+    dim not a multiple of 32 and L not a multiple of the chunk; channel-last inputs; packed batches with empty
+    and length-1 sequences; bit-identical reruns; decode with permuted inputs."""
+    sh = plan.paths
+    say(f"\n== issue 19 paths (B={sh.batch} D={sh.dim} L={sh.seqlen}) ==")
+    for n in (1, 12, 16, 64):
+        shape = Shape(sh.batch, sh.dim, n, sh.seqlen, sh.ngroups, (0, sh.seqlen))
+        check_against_reference(rep, "paths", shape, "float32", "silu", "variable", device, grad=True, seed=n)
+
+    def channel_last() -> List[Cmp]:
+        x, kw = scan_case(sh, "bfloat16", "silu", "variable", device, seed=5)
+        nc = {k: _channel_last(v) if k in ("u", "delta", "z", "B", "C") else v for k, v in x.items()}
+        return [Cmp("triton channel-last vs reference", run_scan(triton_scan, nc, **kw),
+                    run_scan(reference_scan, x, **kw), "bfloat16")]
+
+    rep.check("paths", f"fwd+bwd bfloat16 channel-last u/delta/z/B/C ({sh.text()})", channel_last, kernel="scan",
+              dtype="bfloat16", gate="silu", variant="channel-last")
+    L = sh.seqlen
+    cu = (0, 0, 1, 1, L // 2, L // 2 + 1, L, L)
+    packed = Shape(1, sh.dim, sh.dstate, L, 2 if sh.dim % 2 == 0 else 1, cu)
+    check_against_reference(rep, "paths", packed, "float32", "sigmoid", "cu_seqlens", device, grad=True, seed=6)
+
+    def rerun() -> List[Cmp]:
+        x, kw = scan_case(sh, "bfloat16", "silu", "grouped", device, seed=7)
+        a, b = run_scan(triton_scan, x, **kw), run_scan(triton_scan, x, **kw)
+        differ = [k for k in a if not torch.equal(a[k], b[k])]
+        if differ:
+            raise AssertionError(f"two runs differ bit for bit in {differ}")
+        return [Cmp("triton run 1 vs run 2 (bit-identical)", a, b, "bfloat16")]
+
+    rep.check("paths", f"fwd+bwd bfloat16 reruns bit-identical ({sh.text()})", rerun, kernel="scan", dtype="bfloat16",
+              gate="silu", variant="grouped")
+
+    def decode_permuted() -> List[Cmp]:
+        from certblocks.kernels import selective_state_update, selective_state_update_reference
+
+        g = torch.Generator(device=device).manual_seed(8)
+        b, d, n = 4, sh.dim, 12
+        randn = lambda *s: torch.randn(*s, generator=g, device=device)
+        args = dict(A=-torch.rand(d, n, generator=g, device=device), B=randn(b, n), C=randn(b, n), D=randn(d),
+                    dt_bias=randn(d), dt_softplus=True, gate="silu")
+        x, dt, z = (randn(d, b).t() for _ in range(3))  # (batch, dim) views of (dim, batch) storage
+        state = randn(b, n, d).transpose(1, 2)
+        s_ref = state.contiguous()
+        want = selective_state_update_reference(s_ref, x.contiguous(), dt.contiguous(), z=z.contiguous(), **args)
+        s_got = state.clone()
+        got = selective_state_update(s_got, x, dt, z=z, **args, backend="triton")
+        return [Cmp("triton decode, permuted x/dt/z/state, vs reference", dict(out=got, state=s_got),
+                    dict(out=want, state=s_ref), "float32")]
+
+    rep.check("paths", f"decode float32 permuted x/dt/z/state (B=4 D={sh.dim} N=12)", decode_permuted,
+              kernel="decode", dtype="float32", gate="silu", variant="permuted")
+
+
+def section_compile(rep: Report, plan: Plan, device: torch.device) -> None:
+    """LinearGrowthMamba (triton backend) under ``torch.compile(fullgraph=True)`` -- with CUDA graphs
+    (``mode="reduce-overhead"``) on a GPU -- against eager: outputs and input gradients, and timings."""
+    from certblocks.blocks.mamba import LinearGrowthMamba
+
+    dm, B, L = plan.compile_dmodel, plan.block_batch, plan.block_seqlen
+    say(f"\n== LinearGrowthMamba compiled (d_model={dm}, B={B}, L={L}) ==")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    mode = "reduce-overhead" if device.type == "cuda" else None
+    # CPU smoke: dynamo's full-graph capture only (backend "eager"); inductor's CPU codegen would take minutes
+    backend = "inductor" if device.type == "cuda" else "eager"
+    holder: Dict[str, Any] = {}
+
+    def body() -> List[Cmp]:
+        torch.manual_seed(0)
+        lg = LinearGrowthMamba(dm, d_state=16, device=device, dtype=dtype)
+        _set_backend(lg, "triton")
+        x = torch.randn(B, L, dm, device=device, dtype=dtype)
+        compiled = torch.compile(lg, fullgraph=True, mode=mode, backend=backend)
+        res = {}
+        for name, m in (("eager", lg), ("compiled", compiled)):
+            outs = []
+            for _ in range(3):  # CUDA graphs record on a later call: compare the replayed result
+                xr = x.detach().clone().requires_grad_(True)
+                y = m(xr)
+                y.float().square().mean().backward()
+                outs.append(dict(out=y.detach().clone(), dx=xr.grad.clone()))
+                lg.zero_grad(set_to_none=True)
+            res[name] = outs[-1]
+        holder.update(lg=lg, compiled=compiled, x=x)
+        tol = "bfloat16" if dtype == torch.bfloat16 else "float32"
+        return [Cmp(f"compiled ({mode or 'default'}) vs eager", res["compiled"], res["eager"], tol)]
+
+    rec = rep.check("compile", f"LinearGrowthMamba torch.compile(fullgraph, {mode or 'default'}) vs eager "
+                    f"(d_model={dm})", body, kernel="block", dtype=str(dtype).replace("torch.", ""),
+                    gate="sigmoid", variant="block")
+    if rec is not None and rec["status"] == "pass" and not rep.out_of_time("compile: timings"):
+        _time_module(rep, plan, "compile", f"LinearGrowthMamba eager d_model={dm}", holder["lg"], holder["x"],
+                     B * L, device, "compile")
+        _time_module(rep, plan, "compile", f"LinearGrowthMamba compiled ({mode or 'default'}) d_model={dm}",
+                     holder["compiled"], holder["x"], B * L, device, "compile")
+
+
 # ----------------------------------------------------------------------------------------------- throughput
 def scan_bounds(batch: int, dim: int, dstate: int, seqlen: int, esz: int) -> Dict[str, Dict[str, float]]:
     """Fewest bytes and exponentials of each pass (per-(batch, time) tensors only; parameters are negligible).
@@ -1132,7 +1266,22 @@ def default_out(smoke: bool) -> Path:
     return Path(out) / name if out else HERE / "out" / name
 
 
-SECTIONS = ("correctness", "throughput", "blocks", "matrix-rest")
+SECTIONS = ("correctness", "paths", "throughput", "blocks", "compile", "matrix-rest")
+
+
+def copy_checkout(target: Path) -> None:
+    """The install without pip: ``certblocks/`` copied into ``target`` with ``kernels/`` and ``zoo/`` inside it
+    (the package-dir mapping of pyproject.toml)."""
+    import shutil
+
+    root = HERE.parent
+    dst = target / "certblocks"
+    if dst.exists():
+        shutil.rmtree(dst)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(root / "certblocks", dst, ignore=ignore)
+    for sub in ("kernels", "zoo"):
+        shutil.copytree(root / sub, dst / sub, ignore=ignore)
 
 
 def install_checkout(target: Path) -> None:
@@ -1143,8 +1292,9 @@ def install_checkout(target: Path) -> None:
     say(f"installing this checkout: {' '.join(cmd)}")
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
-        say((r.stdout + r.stderr)[-4000:])
-        raise SystemExit(f"pip install into {target} failed (exit {r.returncode})")
+        say((r.stdout + r.stderr)[-2000:])
+        say(f"pip install into {target} failed (exit {r.returncode}); copying the package onto sys.path instead")
+        copy_checkout(target)
     sys.path.insert(0, str(target))
     importlib.invalidate_caches()
     say(f"  done in {time.perf_counter() - t:.1f} s")
@@ -1294,7 +1444,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="run every section on the CPU at tiny shapes (Triton's interpreter, TRITON_INTERPRET=1)")
-    ap.add_argument("--budget-s", type=float, default=390.0,
+    ap.add_argument("--budget-s", type=float, default=300.0,
                     help="skip the remaining checks and sections once this many seconds have passed")
     ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/gpu_validate.json or benchmarks/out/)")
@@ -1341,6 +1491,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rep = Report(budget_s=args.budget_s, out_path=Path(args.out) if args.out else default_out(smoke),
                  mode="cpu-smoke" if smoke else "gpu", inject_fault=args.inject_fault)
 
+    LOG[0] = rep.out_path.with_suffix(".log")
+    LOG[0].parent.mkdir(parents=True, exist_ok=True)
+    LOG[0].write_text("")
     say("== environment ==")
     peers = find_peers(smoke, device)
     rep.env = collect_env(device, peers)
@@ -1358,21 +1511,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rep.save()
     runners = {"correctness": lambda: section_correctness(rep, plan, peers, device),
                "throughput": lambda: section_throughput(rep, plan, peers, device),
+               "paths": lambda: section_paths(rep, plan, device),
                "blocks": lambda: section_blocks(rep, plan, peers, device),
+               "compile": lambda: section_compile(rep, plan, device),
                "matrix-rest": lambda: section_matrix_rest(rep, plan, device)}
     for name in SECTIONS:
         if name not in args.sections or rep.out_of_time(f"section {name}"):
             continue
         t = time.perf_counter()
+        rep.section_deadline = t + dict(plan.section_s).get(name, float("inf"))
         try:
             runners[name]()
         except Exception as exc:  # a broken section must not lose the others' results
             rep.note(f"section {name} stopped: {type(exc).__name__}: {exc}")
             traceback.print_exc()
-            if name in ("correctness", "matrix-rest"):
+            if name in ("correctness", "paths", "compile", "matrix-rest"):
                 rep.checks.append(dict(section=name, name=f"section {name}", status="error",
                                        error=f"{type(exc).__name__}: {exc}"))
         rep.sections_s[name] = time.perf_counter() - t
+        rep.section_deadline = float("inf")
         rep.save()
     summary(rep)
     rep.save()

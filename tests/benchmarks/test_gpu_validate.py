@@ -56,11 +56,15 @@ def test_cpu_smoke_runs_every_section_and_passes(smoke):
     assert len(graded) >= 15
     assert all(0.0 <= r["worst"] <= 1.0 for r in graded)
     # the plan covers every kernel, dtype, gate and B/C layout
-    assert {r["kernel"] for r in graded} == {"scan", "decode", "scan+decode"}
+    assert {r["kernel"] for r in graded} == {"scan", "decode", "scan+decode", "block"}
     assert {r["dtype"] for r in graded} == set(gv.DTYPES)
     assert {r["gate"] for r in graded} == set(gv.GATES)
     assert {"variable", "grouped", "cu_seqlens"} <= {r["variant"] for r in graded}
-    assert {r["section"] for r in graded} == {"correctness", "matrix-rest"}
+    assert {r["section"] for r in graded} == {"correctness", "paths", "compile", "matrix-rest"}
+    # issue 19's paths: every dstate, channel-last, packed with empty / length-1 sequences, reruns, permuted decode
+    names = " | ".join(r["name"] for r in graded if r["section"] == "paths")
+    for part in ("N=1 ", "N=12 ", "N=16 ", "N=64 ", "channel-last", "cu=[0, 0, 1, 1,", "bit-identical", "permuted"):
+        assert part in names, part
     assert any(r.get("peer_impl") for r in graded)  # the mamba-ssm comparison path ran (pure-torch stand-ins)
     # figures with the environment they were measured in
     for k in ("torch", "triton", "date_utc", "gpu", "selective_scan_cuda"):
@@ -72,8 +76,10 @@ def test_cpu_smoke_runs_every_section_and_passes(smoke):
     for r in rep["throughput"]:
         assert r["bound_s"] > 0 and r["fraction_of_bound"] > 0
     kinds = {r["kind"] for r in rep["blocks"] if r.get("forward_tokens_per_s", 0) > 0}
-    assert kinds == {"block", "forecaster"}
+    assert kinds == {"block", "forecaster", "compile"}
     assert any("speedup_forward_over_peer" in r for r in rep["blocks"])
+    log = out.with_suffix(".log").read_text()  # everything printed, teed beside the JSON
+    assert "== summary ==" in log and "ALL CHECKS PASSED" in log
     md = out.with_suffix(".md").read_text()
     assert "GPU validation" in md and "| check | status |" in md
     assert wall < 120  # the GPU run is sized separately (--budget-s); this only guards against a runaway smoke run
@@ -169,3 +175,34 @@ def test_main_exits_nonzero_when_a_kernel_result_is_wrong(tmp_path, capsys):
     failed = [r for r in rep["checks"] if r["status"] == "fail"]
     assert len(failed) == 1 and failed[0]["fault_injected"]
     assert rep["counts"]["pass"] == len(rep["checks"]) - 1 >= 1  # the other checks still ran and passed
+
+
+def test_each_check_is_saved_at_once(tmp_path):
+    """The JSON is rewritten after every check: a run killed mid-section keeps what it checked."""
+    x = {"out": torch.ones(2)}
+    rep = gv.Report(budget_s=100.0, out_path=tmp_path / "r.json", mode="cpu-smoke")
+    rep.check("paths", "first", lambda: [gv.Cmp("a vs b", dict(x), dict(x), "float32")])
+    assert [r["name"] for r in json.loads((tmp_path / "r.json").read_text())["checks"]] == ["first"]
+
+
+def test_section_deadline_skips_the_rest_of_a_section(tmp_path):
+    x = {"out": torch.ones(2)}
+    rep = gv.Report(budget_s=100.0, out_path=tmp_path / "r.json", mode="cpu-smoke")
+    rep.section_deadline = time.perf_counter() - 1.0
+    assert rep.check("paths", "late", lambda: [gv.Cmp("a vs b", dict(x), dict(x), "float32")]) is None
+    assert rep.skipped == ["paths: late"]
+    assert dict(gv.GPU_PLAN.section_s)["paths"] > 0 and set(dict(gv.GPU_PLAN.section_s)) == set(gv.SECTIONS)
+
+
+def test_copy_checkout_installs_without_pip(tmp_path):
+    """The fallback when pip cannot install: the package copied onto sys.path imports with its kernels and zoo."""
+    import subprocess
+    import sys
+
+    gv.copy_checkout(tmp_path)
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import certblocks.kernels, certblocks.zoo; "
+            "print(certblocks.kernels.__file__)")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().startswith(str(tmp_path / "certblocks" / "kernels"))
