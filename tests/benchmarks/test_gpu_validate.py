@@ -11,6 +11,7 @@ import contextlib
 import importlib.util
 import io
 import json
+import os
 import time
 from pathlib import Path
 
@@ -206,3 +207,24 @@ def test_copy_checkout_installs_without_pip(tmp_path):
                        cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().startswith(str(tmp_path / "certblocks" / "kernels"))
+
+
+def test_static_figures_of_a_kernel():
+    """--static's parsing on one kernel: the sm_90 decode step compiles on the CPU and its SASS is counted.
+    Runs in a subprocess (the interpreter flag of this process would turn the compile off)."""
+    import subprocess
+    import sys
+
+    code = ("import os, sys, json; os.environ.pop('TRITON_INTERPRET', None); sys.path.insert(0, 'benchmarks'); "
+            "import gpu_validate as gv; from certblocks.kernels import triton_scan as ts; "
+            "k = gv._sm90(ts._state_update_kernel, dict(BLOCK_D=32, BLOCK_N=16, HAS_D=True, HAS_Z=True, "
+            "HAS_BIAS=True, SOFTPLUS=True, GATE=1), 4); print(json.dumps(gv._sass_stats(k)))")
+    root = Path(gv.__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=170, cwd=root, env=env)
+    if r.returncode != 0 and "ptxas" in r.stderr and "not found" in r.stderr.lower():
+        pytest.skip("triton's ptxas is not available")
+    assert r.returncode == 0, r.stderr[-3000:]
+    st = json.loads(r.stdout.strip().splitlines()[-1])
+    assert st["regs"] > 0 and st["sass"] > 100 and st["stack_bytes"] == 0
+    assert st["loop_sass"] is None  # the decode step has no loop
