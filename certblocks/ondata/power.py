@@ -99,9 +99,25 @@ class LinearizedMap:
                 out = self._jvp(mode, w)
             except (RuntimeError, NotImplementedError, TypeError):
                 continue
+            if mode != "central" and not self._adjoint_agrees(w, out):
+                continue  # an op without a forward-mode rule can return zeros silently (a custom kernel)
             self._mode = mode
             return out
         raise RuntimeError("no Jacobian-vector product works for this map")  # central differences always run
+
+    def _adjoint_agrees(self, w: Tensor, jw: Tensor) -> bool:
+        """``<u, J w> = <J^T u, w>`` for a random ``u``, up to the rounding of the map's dtype: a mode whose
+        products disagree with the vector-Jacobian product (which autograd always has) is not used."""
+        g = torch.Generator(device="cpu").manual_seed(0)
+        u = torch.randn(jw.shape, generator=g, dtype=torch.float64).to(jw.device)
+        jtu = self.vjp(u.to(self.out.dtype)).double()
+        lhs = float((u * jw.double()).sum())
+        rhs = float((jtu * w.double()).sum())
+        if not (math.isfinite(lhs) and math.isfinite(rhs)):
+            return True  # an overflowing Jacobian is reported as such, not second-guessed here
+        scale = float(jtu.norm() * w.double().norm()) + float(u.norm() * jw.double().norm())
+        tol = 0.05 if self.x.dtype in (torch.float16, torch.bfloat16) else 1e-3
+        return abs(lhs - rhs) <= tol * scale + 1e-30
 
     def _jvp(self, mode: str, w: Tensor) -> Tensor:
         x = self.x.detach()
