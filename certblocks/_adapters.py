@@ -78,6 +78,7 @@ class HFRotaryQKNormAttention(RotaryQKNormAttention):
     config: Any
     layer_idx: Optional[int]
     sliding_window: Optional[int]
+    _eager: Callable[..., Tuple[torch.Tensor, Any]]
 
     @classmethod
     def from_module(cls, src: nn.Module, **overrides: Any) -> HFRotaryQKNormAttention:  # type: ignore[override]
@@ -86,7 +87,13 @@ class HFRotaryQKNormAttention(RotaryQKNormAttention):
         block.config = src.config
         block.layer_idx = getattr(src, "layer_idx", None)
         block.sliding_window = getattr(src, "sliding_window", None)
-        block._eager_name = type(src).__module__  # the source's eager attention (the fallback kernel)
+        # the source family's eager attention: the kernel when the config asks for "eager" (Gemma-2-style variants
+        # differ from Llama's), resolved once here rather than at every call
+        block._eager = getattr(sys.modules.get(type(src).__module__), "eager_attention_forward", None)
+        if block._eager is None:
+            from transformers.models.llama.modeling_llama import eager_attention_forward
+
+            block._eager = eager_attention_forward
         return block
 
     @property
@@ -104,10 +111,7 @@ class HFRotaryQKNormAttention(RotaryQKNormAttention):
     def _kernel(self) -> Callable[..., Tuple[torch.Tensor, Any]]:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        eager = getattr(sys.modules.get(self._eager_name), "eager_attention_forward", None)
-        if eager is None:
-            from transformers.models.llama.modeling_llama import eager_attention_forward as eager
-        return ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
+        return ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._eager)
 
     def forward(self, hidden_states: torch.Tensor,  # type: ignore[override]
                 position_embeddings: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,

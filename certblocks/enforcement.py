@@ -85,8 +85,8 @@ from torch.nn.utils import parametrize
 from . import bounds
 from .budget import dtype_name
 from .certificate import BlockCertificate, StackCertificate, certify_stack
-from .monitor import ResidualUpdates, residual_updates
 from .protocol import CapSlot, EnforceableBlock
+from .updates import ResidualUpdates, residual_updates
 
 __all__ = ["enforce", "unenforce", "cap_factor", "cap_ratios", "EnforceReport", "NormCap", "ScaleClamp",
            "SoftplusCeiling"]

@@ -436,20 +436,23 @@ class _SelfAttention(nn.Module):
         Each head's block of a capped matrix is at most the cap, so ``||M_h|| <= a_o a_v``,
         ``||[M_1 .. M_H]|| <= a_o a_v``, ``kappa_h <= a_q a_k`` and ``||W_K^{hT} b_Q^h|| <= a_k beta_q``.
         """
+        return self._certificate(self._caps_norms(caps))
+
+    def _caps_norms(self, caps: Mapping[str, float]) -> AttentionNorms:
+        """The norms :meth:`certificate_from_caps` reads: every part at its cap (per head, a block of a matrix)."""
         H = self.num_heads
         aq, ak, av, ao = caps["aq"], caps["ak"], caps["av"], caps["ao"]
         bq, bk, bv = (caps.get(f"beta{t}", 0.0) for t in "qkv")
         common = dict(value=(ao * av,) * H, c=math.sqrt(H) * ao * av, b=ao * bv + caps.get("betao", 0.0),
                       w_in=math.sqrt(aq * aq + ak * ak + av * av), b_in=math.sqrt(bq * bq + bk * bk + bv * bv))
         if self.qk_norm is None:
-            return self._certificate(AttentionNorms(**common, kappa=(aq * ak,) * H, beta=(ak * bq,) * H,
-                                                    cross=aq * bk + ak * bq, const=bq * bk))
+            return AttentionNorms(**common, kappa=(aq * ak,) * H, beta=(ak * bq,) * H, cross=aq * bk + ak * bq,
+                                  const=bq * bk)
         hd = self.head_dim
         (a_q, g_q), (a_k, g_k) = (
             bounds.scalar_norm_bounds(self.qk_norm, caps[f"gamma{t}"], caps.get(f"betan{t}", 0.0), norm.eps, numel=hd)
             for t, norm in (("q", self.q_norm), ("k", self.k_norm)))
-        return self._certificate(AttentionNorms(**common, wq=(aq,) * H, wk=(ak,) * H, a_q=a_q, a_k=a_k,
-                                                g_q=g_q, g_k=g_k))
+        return AttentionNorms(**common, wq=(aq,) * H, wk=(ak,) * H, a_q=a_q, a_k=a_k, g_q=g_q, g_k=g_k)
 
     def _certificate(self, n: AttentionNorms) -> BlockCertificate:
         """The one formula behind :meth:`certificate` and :meth:`certificate_from_caps` (module docstring)."""

@@ -282,6 +282,7 @@ class RotaryQKNormAttention(nn.Module):
         return bounds.op_norm(torch.cat([p.weight.detach() for p in (self.q_proj, self.k_proj, self.v_proj)]))
 
     _norms = _SelfAttention._norms
+    _caps_norms = _SelfAttention._caps_norms
     _certificate = _SelfAttention._certificate
     _peak = _SelfAttention._peak
     levers = _SelfAttention.levers
@@ -321,17 +322,7 @@ class RotaryQKNormAttention(nn.Module):
         Each head's block of a capped matrix is at most the cap, also for a key/value head shared by a group, so
         :class:`~certblocks.QKNormAttention`'s worst case holds with ``H`` query heads.
         """
-        base = _SelfAttention.certificate_from_caps(self, caps, seq_len=seq_len)  # type: ignore[arg-type]
-        aq, ak, av, ao = caps["aq"], caps["ak"], caps["av"], caps["ao"]
-        bq, bk, bv = (caps.get(f"beta{t}", 0.0) for t in "qkv")
-        (a_q, g_q), (a_k, g_k) = (
-            bounds.scalar_norm_bounds(self.qk_norm, caps[f"gamma{t}"], caps.get(f"betan{t}", 0.0), norm.eps,
-                                      numel=self.head_dim) for t, norm in (("q", self.q_norm), ("k", self.k_norm)))
-        H = self.num_heads
-        n = AttentionNorms(value=(ao * av,) * H, c=base.c, b=base.b, w_in=math.sqrt(aq * aq + ak * ak + av * av),
-                           b_in=math.sqrt(bq * bq + bk * bk + bv * bv), wq=(aq,) * H, wk=(ak,) * H,
-                           a_q=a_q, a_k=a_k, g_q=g_q, g_k=g_k)
-        return self._certificate(self._rotated(n))
+        return self._certificate(self._rotated(self._caps_norms(caps)))
 
     # -- conversion -----------------------------------------------------------------------------------------
     @classmethod
