@@ -13,7 +13,9 @@ The forward runs under CPU autocast in ``--amp`` (default fp16: the certificate'
 what ends a diverging run); the monitor (``CertificateMonitor(stack, dtype, every=...)``) watches each
 form and its alerts are recorded.  For the no-LN form the script reports the first alert, the update it
 names, and how many steps it came before the first non-finite loss.  Curves: ``benchmarks/out/monitor_gpt_*.png``,
-figures: ``benchmarks/out/monitor_gpt.json``, monitor records: ``benchmarks/out/monitor_gpt_<form>.csv``.
+figures: ``benchmarks/out/monitor_gpt.json``, monitor records: ``benchmarks/out/monitor_gpt_<form>.csv``
+(``--tag`` suffixes them).  The on-data alerts read the measured headroom by default (``--basis``); the (T)
+estimate's headroom is recorded beside it.
 
 Usage::
 
@@ -134,9 +136,11 @@ def train(form: str, data: torch.Tensor, args: argparse.Namespace) -> Dict[str, 
         print(f"enforced: alpha = {rep.alpha:.4g}, {len(rep.caps)} capped tensors, r0 = {model.stack.r0:.4g}",
               flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    # linear warm-up over --warmup steps (0: the full lr from the first step)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup) if args.warmup else 1.0)
     every = args.every if form == "noln" else args.every_stable
     mon = CertificateMonitor(model.stack, args.amp, every=every, r0=model.stack.r0 if emb_cap else model.radius(),
-                             logit_samples=2, horizon=args.horizon)
+                             logit_samples=2, horizon=args.horizon, headroom_basis=args.basis)
     g = torch.Generator().manual_seed(args.seed)
     amp = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.amp]
     losses: List[float] = []
@@ -164,13 +168,14 @@ def train(form: str, data: torch.Tensor, args: argparse.Namespace) -> Dict[str, 
             mon.step()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        sched.step()
         if emb_cap is not None:
             with torch.no_grad():
                 for w in (model.wte.weight, model.wpe.weight):
                     w.copy_(torch.renorm(w, 2, 0, emb_cap))
         if step % 50 == 0:
             print(f"{form} step {step} loss {lv:.3f} ({time.time() - t0:.0f} s, {len(mon.alerts)} alerts)", flush=True)
-    mon.to_csv(os.path.join(OUT, f"monitor_gpt_{form}.csv"))
+    mon.to_csv(os.path.join(OUT, f"monitor_gpt{args.tag}_{form}.csv"))
     first_alert = mon.alerts[0] if mon.alerts else None
     data_alerts = [a for a in mon.alerts if a["quantity"] in ("headroom", "headroom trend")]
     first_data = data_alerts[0] if data_alerts else None
@@ -188,7 +193,12 @@ def train(form: str, data: torch.Tensor, args: argparse.Namespace) -> Dict[str, 
             "data_alerts": len(data_alerts),
             "data_warning_steps_before_nonfinite": (None if first_data is None or first_nonfinite is None
                                                     else first_nonfinite - first_data["step"]),
-            "headroom": [[r["step"], r.get("data/headroom")] for r in mon.records],
+            "headroom": [[r["step"], r.get("data/alert_headroom")] for r in mon.records],
+            "headroom_estimate": [[r["step"], r.get("data/headroom")] for r in mon.records],
+            "headroom_measured": [[r["step"], r.get("data/headroom_measured")] for r in mon.records],
+            "estimate_checks_below_1": sum(r.get("data/headroom") is not None and not r["data/headroom"] >= 1.0
+                                           for r in mon.records),
+            "checks": len(mon.records),
             "kappa": [[r["step"]] + [r[k] for k in r if k.endswith("/kappa")] for r in mon.records],
             "margin_grad": [[r["step"], r["stack/margin_grad"]] for r in mon.records]}
 
@@ -209,7 +219,10 @@ def plot(results: List[Dict[str, Any]], args: argparse.Namespace) -> None:
                           color=ax[0].lines[-2 if r["first_nonfinite"] is not None else -1].get_color())
         hs = [(st, h) for st, h in r["headroom"] if h is not None]
         if hs:
-            ax[2].plot([h[0] for h in hs], [max(h[1], -5.0) for h in hs], label=r["form"])
+            ax[2].plot([h[0] for h in hs], [max(h[1], -5.0) for h in hs], label=f"{r['form']} ({args.basis})")
+            he = [(st, h) for st, h in r["headroom_estimate"] if h is not None]
+            ax[2].plot([h[0] for h in he], [max(h[1], -5.0) for h in he], ls="--", lw=0.8,
+                       color=ax[2].lines[-1].get_color())
             if r["first_nonfinite"] is not None:
                 ax[2].axvline(r["first_nonfinite"], ls=":", color="k")
         ks = r["kappa"]
@@ -224,10 +237,11 @@ def plot(results: List[Dict[str, Any]], args: argparse.Namespace) -> None:
     ax[1].legend()
     ax[2].axhline(1.0, ls="--", color="gray", lw=0.8)
     ax[2].set_xlabel("step")
-    ax[2].set_title("on-data headroom (nats; dashed: alert threshold, dotted: non-finite)")
+    ax[2].set_title("on-data headroom, nats (dashed: the (T) estimate; gray: threshold; dotted: non-finite)",
+                    fontsize=9)
     ax[2].legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(OUT, "monitor_gpt_loss.png"), dpi=110)
+    fig.savefig(os.path.join(OUT, f"monitor_gpt{args.tag}_loss.png"), dpi=110)
 
 
 def main(argv: Any = None) -> Dict[str, Any]:
@@ -241,6 +255,7 @@ def main(argv: Any = None) -> Dict[str, Any]:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--lr", type=float, default=6e-3)
+    p.add_argument("--warmup", type=int, default=0, help="linear learning-rate warm-up steps (0: none)")
     p.add_argument("--every", type=int, default=2, help="monitor period of the noln form")
     p.add_argument("--every-stable", type=int, default=25, help="monitor period of the preln and qknorm forms")
     p.add_argument("--amp", default="fp16", choices=["fp16", "bf16"])
@@ -248,6 +263,9 @@ def main(argv: Any = None) -> Dict[str, Any]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--horizon", type=int, default=None,
                    help="the monitor's trend alert: headroom reaching 0 within this many steps (default: off)")
+    p.add_argument("--basis", default="measured", choices=["measured", "estimate", "certified"],
+                   help="the headroom the on-data alerts read (CertificateMonitor's headroom_basis)")
+    p.add_argument("--tag", default="", help="suffix of the output files (runs side by side)")
     args = p.parse_args(argv)
     if args.quick:
         args.layers, args.width, args.block, args.steps = 4, 128, 64, min(args.steps, 150)
@@ -257,9 +275,11 @@ def main(argv: Any = None) -> Dict[str, Any]:
     results = [train(f, data, args) for f in args.forms.split(",")]
     plot(results, args)
     summary = {"args": vars(args), "results": [{k: v for k, v in r.items() if k not in ("losses", "kappa",
-                                                                                         "margin_grad", "headroom")}
+                                                                                         "margin_grad", "headroom",
+                                                                                         "headroom_estimate",
+                                                                                         "headroom_measured")}
                                                for r in results]}
-    with open(os.path.join(OUT, "monitor_gpt.json"), "w") as fh:
+    with open(os.path.join(OUT, f"monitor_gpt{args.tag}.json"), "w") as fh:
         json.dump({"summary": summary, "curves": results}, fh)
     print(json.dumps(summary, indent=1))
     return summary

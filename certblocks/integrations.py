@@ -108,9 +108,11 @@ class CertificateCallback(TrainerCallback):
         rec = self.monitor.step()
         if rec is not None and rec.get("data/headroom") is not None:
             self._logs = {f"certblocks/{k}": float(rec[f"data/{k}"])
-                          for k in ("headroom", "forward_headroom", "backward_headroom")}
-            self._logger().info(f"certblocks: step {state.global_step}: on-data headroom {rec['data/headroom']:.4g} "
-                                f"nats ({self.monitor.dtype}), most consumed by {rec['data/worst_update']!r} "
+                          for k in ("alert_headroom", "headroom", "forward_headroom", "backward_headroom",
+                                    "backward_headroom_measured") if rec.get(f"data/{k}") is not None}
+            self._logger().info(f"certblocks: step {state.global_step}: on-data headroom "
+                                f"{rec['data/alert_headroom']:.4g} nats ({self.monitor.dtype}, "
+                                f"{rec['data/alert_basis']}), most consumed by {rec['data/worst_update']!r} "
                                 f"({rec['data/worst_quantity']})")
         return control
 

@@ -37,7 +37,11 @@ A model without certified blocks is watched on data only: its call is kept by a 
 
 * ``headroom`` (on data): the batch's headroom is below ``headroom_threshold`` nats (default 1); the alert names
   the update that consumes the most headroom and its ``cause`` (``"Jacobian"``, ``"state norm"``,
-  ``"logits"``, ``"intermediate"`` or ``"head"``), with kappa and the largest logit for attention;
+  ``"logits"``, ``"intermediate"``, ``"head"`` or ``"gradient growth"``), with kappa and the largest logit for
+  attention.  The headroom is read on ``headroom_basis``: by default ``"measured"``, the forward peaks and the
+  costates ``p_k`` this batch's backward really has (from the training backward's ``p_D``, by vector-Jacobian
+  products); ``"estimate"`` reads the (T) bound, a product of Jacobian norms that can sit far above the real
+  gradient (about 15 nats on a 12-update GPT: alerts on runs that train); all three stay in the records;
 * ``headroom trend`` (on data, ``horizon`` steps): the least-squares line through the last ``trend_window``
   headrooms reaches 0 within ``horizon`` steps;
 * with ``worst_case_alerts=True`` (off by default: the worst-case certificate holds for every input of the
@@ -162,6 +166,8 @@ class CertificateMonitor:
         horizon: on-data alert when the headroom's trend (least squares over the last ``trend_window`` checks)
             reaches 0 within this many steps (``None``: never).
         trend_window: checks in the trend.
+        headroom_basis: the headroom the on-data alerts read: ``"measured"`` (default; the estimate where no
+            backward was seen), ``"estimate"`` or ``"certified"`` (:meth:`TrajectoryReport.headroom_on`).
         worst_case_alerts: also alert on the worst-case margins (``stack/margin_grad``, ``margin_fwd``, and with
             ``share_alerts`` each update's share); off by default: they stay in the records.
         data_steps: Lanczos steps per Jacobian at each check (warm-started from the previous check).
@@ -178,7 +184,7 @@ class CertificateMonitor:
                  power_iters: int = 4, power_iters_init: int = 50, logit_samples: int = 8,
                  batch_figures: bool = True, on_data: bool = True, headroom_threshold: Optional[float] = 1.0,
                  horizon: Optional[int] = None, trend_window: int = 5, worst_case_alerts: bool = False,
-                 data_steps: int = 4) -> None:
+                 data_steps: int = 4, headroom_basis: str = "measured") -> None:
         self.dtype = dtype_name(dtype)
         self.every = check_int("every", every)
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold) \
@@ -211,7 +217,8 @@ class CertificateMonitor:
         self._watch = OnDataWatch(self.dtype, threshold=headroom_threshold, horizon=horizon,
                                   window=check_int("trend_window", trend_window, 3), steps=check_int("data_steps",
                                                                                                     data_steps),
-                                  tol=1e-2, logit_samples=self.logit_samples) if on_data and batch_figures else None
+                                  tol=1e-2, logit_samples=self.logit_samples,
+                                  basis=headroom_basis) if on_data and batch_figures else None
         try:
             self.updates: Optional[ResidualUpdates] = residual_updates(model, r0=r0, seq_len=seq_len)
         except TypeError:  # no certified block: on data only, from the model's graph (certblocks.certify's updates)

@@ -109,11 +109,15 @@ def plot_headroom(rep: Any, path: str) -> None:
     fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(names) + 2), 4))
     ax.plot(range(len(names)), clip(fwd), "o-", label="forward: log M - log max(|X_k+1|, peak)")
     ax.plot(range(len(names)), clip(bwd), "s-", label="backward: log M - bound on log ||p_k|| (estimate)")
+    if rep.log_gradient_measured is not None:
+        meas = [rep.log_max - (math.log(u.costate_norm) if u.costate_norm > 0 else -math.inf) for u in rep.updates]
+        ax.plot(range(len(names)), clip(meas), "^:", label="backward: log M - log ||p_k|| (measured)")
     ax.axhline(0.0, color="k", lw=0.8)
     ax.set_xticks(range(len(names)))
     ax.set_xticklabels(names, rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("headroom (nats)")
-    ax.set_title(f"{rep.model}, {rep.dtype}: headroom {rep.headroom:.3g} nats")
+    measured = "" if rep.headroom_measured is None else f" (measured {rep.headroom_measured:.3g})"
+    ax.set_title(f"{rep.model}, {rep.dtype}: headroom {rep.headroom:.3g} nats{measured}")
     ax.legend(fontsize=7)
     fig.tight_layout()
     try:

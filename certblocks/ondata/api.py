@@ -16,7 +16,7 @@ from .power import LinearizedMap, dense_jacobian_norm, jacobian_spectral_norm
 from .report import HeadTrajectory, TrajectoryReport, UpdateTrajectory
 from .sources import Head, Source, Step, graph_steps, module_steps, token_norm_max, tokens_of
 
-__all__ = ["trajectory", "trajectory_of_call", "evaluate", "unwrap", "as_args", "eval_mode"]
+__all__ = ["trajectory", "trajectory_of_call", "evaluate", "costate_norms", "unwrap", "as_args", "eval_mode"]
 
 LossArg = Union[None, Callable[[Tensor], Tensor]]
 
@@ -220,10 +220,34 @@ def evaluate(src: Source, dtype: str, *, model: str = "", steps: int = 12, tol: 
     ups: List[UpdateTrajectory] = []
     for st in src.steps:
         ups.append(_update(st, steps, tol, dense_max, warm))
-    head = _head(src.head, steps, tol, dense_max, warm)
+    head, p_d = _head(src.head, steps, tol, dense_max, warm)
+    notes = list(src.notes)
+    if p_d is not None:
+        try:
+            for u, n in zip(ups, costate_norms(src.steps, p_d)):
+                u.costate_norm = n
+        except (RuntimeError, NotImplementedError, TypeError) as exc:  # a segment autograd cannot differentiate
+            notes.append(f"no measured costates: {type(exc).__name__}: {exc}")
     x0 = src.steps[0].x
     return TrajectoryReport(model, dtype, math.log(float_max(dtype)), ups, head, int(x0.shape[0]), tokens_of(x0),
-                            notes=list(src.notes), input_norm=src.input_norm, stem_peak=src.stem_peak)
+                            notes=notes, input_norm=src.input_norm, stem_peak=src.stem_peak)
+
+
+def costate_norms(steps: List[Step], p_d: Tensor) -> List[float]:
+    """The costates ``p_k`` at each segment's input from ``p_D``, backwards by vector-Jacobian products
+    (an update: ``p_k = p_{k+1} + dt Dv_k(X_k)^T p_{k+1}``; a map or block: ``Dm_k(X_k)^T p_{k+1}``), as their
+    largest per-sample norm (``inf`` once one is not finite).  One backward of every segment."""
+    norms: List[float] = []
+    p = p_d.detach()
+    for st in reversed(steps):
+        x = st.x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = st.fn(x)
+            g = torch.autograd.grad(out, x, p.to(out.dtype).reshape(out.shape), allow_unused=True)[0]
+        g = torch.zeros_like(x) if g is None else g
+        p = (p.to(g.dtype).reshape(g.shape) + st.dt * g) if st.kind == "update" else g
+        norms.append(_per_sample_max(p))
+    return norms[::-1]
 
 
 def _update(st: Step, steps: int, tol: float, dense_max: int, warm: Optional[Dict[str, Tensor]]) -> UpdateTrajectory:
@@ -236,7 +260,9 @@ def _update(st: Step, steps: int, tol: float, dense_max: int, warm: Optional[Dic
                             kappa=None if st.kappa is None else st.kappa(), max_logit=logit)
 
 
-def _head(h: Head, steps: int, tol: float, dense_max: int, warm: Optional[Dict[str, Tensor]]) -> HeadTrajectory:
+def _head(h: Head, steps: int, tol: float, dense_max: int, warm: Optional[Dict[str, Tensor]]
+          ) -> Tuple[HeadTrajectory, Optional[Tensor]]:
+    """The head's figures, and the exact costate ``p_D`` where there is one (the loss's gradient, or given)."""
     x = h.x.detach()
     rd = token_norm_max(x)
     peak = h.peak()
@@ -251,10 +277,10 @@ def _head(h: Head, steps: int, tol: float, dense_max: int, warm: Optional[Dict[s
         n = 0.0 if p is None else _per_sample_max(p)
         if not torch.isfinite(val.detach()).all():
             n = math.inf
-        return HeadTrajectory("loss", n, n, rd, peak, detail=h.detail)
+        return HeadTrajectory("loss", n, n, rd, peak, detail=h.detail), None if p is None else p.detach()
     if h.p is not None:
         n = _per_sample_max(h.p)
-        return HeadTrajectory("loss", n, n, rd, peak, detail=h.detail)
+        return HeadTrajectory("loss", n, n, rd, peak, detail=h.detail), h.p.detach()
     if h.fn is not None:
         try:
             est, out_tokens = _estimate(h.fn, x, "head", steps, tol, warm, jvp="double")
@@ -264,6 +290,6 @@ def _head(h: Head, steps: int, tol: float, dense_max: int, warm: Optional[Dict[s
         lg = h.loss_gradient
         detail = h.detail + ("" if est.converged else f" (not converged: {est.steps} steps, change {est.change:.2g})")
         return HeadTrajectory("jacobian", float(est.values.max()) * lg, None if bound is None else bound * lg, rd, peak,
-                              loss_gradient=lg, detail=detail)
+                              loss_gradient=lg, detail=detail), None
     lip = 1.0 if h.lip_g is None else float(h.lip_g)
-    return HeadTrajectory("lip_g", lip, lip, rd, peak, detail=h.detail)
+    return HeadTrajectory("lip_g", lip, lip, rd, peak, detail=h.detail), None

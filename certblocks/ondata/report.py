@@ -7,7 +7,13 @@ Figures (``M`` the dtype's largest finite value, logs natural: headroom in nats)
 * backward, the member (T) of the paper's chain (THEORY.md section 6), per sample ``s`` and maximized over the
   batch factor by factor: ``log ||p_0|| <= log ||p_D|| + sum_k log(||P_k|| + dt ||Dv_k(X_k)||)`` (a map: ``log
   ||Dm_k(X_k)||``); ``backward_headroom = log M - log_gradient_bound``;
-* ``headroom = min(forward_headroom, backward_headroom)``: negative when the batch overflows the dtype.
+* ``headroom = min(forward_headroom, backward_headroom)``: negative when the batch overflows the dtype;
+* measured, where the costate ``p_D`` is exact (the loss's gradient, or the training backward's): the costates
+  ``p_k`` themselves, propagated back through the segments by vector-Jacobian products (``p_k = p_{k+1} + dt
+  Dv_k(X_k)^T p_{k+1}``): ``log_gradient_measured = log max_k ||p_k||`` and ``headroom_measured``.  Not a bound
+  of other batches, but the gradient this batch has; the (T) bound is above it (the product of the factors' norms
+  ignores that their top singular directions do not line up) and can be far above (15 nats on a 12-update
+  GPT in ``benchmarks/RESULTS.md``).
 
 Two versions of the backward side: :attr:`TrajectoryReport.log_gradient_bound` uses the Lanczos estimates of
 ``||Dv_k||`` (from below: an **estimate** of the bound, reported with its convergence);
@@ -23,10 +29,13 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .._format import fmt_num
 
-__all__ = ["UpdateTrajectory", "HeadTrajectory", "TrajectoryReport", "QUANTITIES"]
+__all__ = ["UpdateTrajectory", "HeadTrajectory", "TrajectoryReport", "QUANTITIES", "BASES"]
 
 #: The quantities an on-data alert can name.
-QUANTITIES = ("state norm", "logits", "intermediate", "Jacobian", "head")
+QUANTITIES = ("state norm", "logits", "intermediate", "Jacobian", "head", "gradient growth")
+
+#: The bases an on-data headroom can be read on (:meth:`TrajectoryReport.headroom_on`).
+BASES = ("measured", "estimate", "certified")
 
 
 def _log(x: Optional[float]) -> float:
@@ -59,6 +68,8 @@ class UpdateTrajectory:
         log_factor_certified: the same with :attr:`jacobian_bound`, or ``None``.
         kappa: ``max_h ||W_Q^{hT} W_K^h||`` of an attention update (estimate from below), else ``None``.
         max_logit: largest ``|logit|`` of an attention update on the batch, else ``None``.
+        costate_norm: the measured costate ``p_k`` at the segment's input, largest per-sample norm (the gradient
+            this batch's backward has there, by vector-Jacobian products from an exact ``p_D``), else ``None``.
     """
 
     name: str
@@ -76,6 +87,7 @@ class UpdateTrajectory:
     dt: float
     kappa: Optional[float] = None
     max_logit: Optional[float] = None
+    costate_norm: Optional[float] = None
 
     @property
     def log_factor(self) -> float:
@@ -211,6 +223,34 @@ class TrajectoryReport:
         return None if b is None else min(self.forward_headroom, b)
 
     @property
+    def log_gradient_measured(self) -> Optional[float]:
+        """``log max_k ||p_k||`` of the measured costates (``p_D`` included), or ``None`` when not measured."""
+        norms = [u.costate_norm for u in self.updates]
+        if self.head.source != "loss" or any(n is None for n in norms):
+            return None
+        return _nan_up(max(_log(n) for n in norms + [self.head.norm]))  # type: ignore[operator]
+
+    @property
+    def backward_headroom_measured(self) -> Optional[float]:
+        m = self.log_gradient_measured
+        return None if m is None else self.log_max - m
+
+    @property
+    def headroom_measured(self) -> Optional[float]:
+        """``min(forward, measured backward)`` headroom in nats (``None`` without measured costates)."""
+        b = self.backward_headroom_measured
+        return None if b is None else min(self.forward_headroom, b)
+
+    def headroom_on(self, basis: str) -> Tuple[float, str]:
+        """``(headroom, basis used)`` on ``basis``: ``"measured"`` (falls back to ``"estimate"`` without measured
+        costates), ``"estimate"`` (:attr:`headroom`) or ``"certified"`` (falls back to ``"estimate"`` without
+        certified factors)."""
+        if basis not in BASES:
+            raise ValueError(f"basis must be one of {', '.join(map(repr, BASES))}, got {basis!r}")
+        value = {"measured": self.headroom_measured, "certified": self.headroom_certified}.get(basis)
+        return (self.headroom, "estimate") if value is None else (value, basis)
+
+    @property
     def ok(self) -> bool:
         """The batch stays below ``M`` on both sides (estimated headroom > 0)."""
         return self.headroom > 0
@@ -219,15 +259,27 @@ class TrajectoryReport:
     def converged(self) -> bool:
         return all(u.converged for u in self.updates)
 
-    def worst(self) -> Tuple[str, str, float]:
+    def worst(self, basis: str = "estimate") -> Tuple[str, str, float]:
         """``(update, quantity, nats)``: what consumes the most headroom on the binding side (``nats``: the log of the
         forward quantity, or the backward factor).
 
         Forward side binding: the segment with the largest forward quantity (``"state norm"``, ``"logits"`` when
         its peak is an attention logit or the head's output, else ``"intermediate"``).  Backward side: the segment
-        with the largest factor (``"Jacobian"``), or the head (``"head"``) when ``log ||p_D||`` is larger.
+        with the largest factor (``"Jacobian"``), or the head (``"head"``) when ``log ||p_D||`` is larger; on the
+        ``"measured"`` basis the segment across which the measured costate grows most (``"gradient growth"``,
+        ``log ||p_k|| - log ||p_{k+1}||``).
         """
-        if self.forward_headroom <= self.backward_headroom:
+        _, used = self.headroom_on(basis)
+        backward = {"measured": self.backward_headroom_measured,
+                    "certified": self.backward_headroom_certified}.get(used, self.backward_headroom)
+        if used == "measured" and self.forward_headroom > backward:  # type: ignore[operator]
+            after = [u.costate_norm for u in self.updates[1:]] + [self.head.norm]
+            growth = [(_log(u.costate_norm) - _log(n), u.name, "gradient growth")
+                      for u, n in zip(self.updates, after)]
+            growth.append((_log(self.head.norm), "head", "head"))
+            val3, name, qty = max(growth, key=lambda c: -math.inf if math.isnan(c[0]) else c[0])
+            return name, qty, val3
+        if self.forward_headroom <= backward:  # type: ignore[operator]
             cands = [(u.forward_max, u.name, self._fwd_quantity(u)) for u in self.updates]
             cands.append((max(self.head.state_norm, self.head.peak), "head",
                           "state norm" if self.head.state_norm >= self.head.peak else "logits"))
@@ -235,15 +287,16 @@ class TrajectoryReport:
                           "state norm" if self.input_norm >= self.stem_peak else "intermediate"))
             val, name, qty = max(cands, key=lambda c: c[0])
             return name, qty, _log(val)
-        cands2 = [(u.log_factor, u.name, "Jacobian") for u in self.updates]
-        cands2.append((_log(self.head.norm), "head", "head"))
+        certified = used == "certified"
+        cands2 = [(u.log_factor_certified if certified else u.log_factor, u.name, "Jacobian") for u in self.updates]
+        cands2.append((_log(self.head.norm_certified if certified else self.head.norm), "head", "head"))
         val2, name, qty = max(cands2, key=lambda c: c[0])
         return name, qty, val2
 
     @staticmethod
     def describe(quantity: str, nats: float) -> str:
         """``worst()``'s quantity and value in words: a forward quantity by its size, a factor in nats."""
-        if quantity in ("Jacobian", "head"):
+        if quantity in ("Jacobian", "head", "gradient growth"):
             return f"{quantity}, {nats:.4g} nats"
         return f"{quantity} {fmt_num(math.exp(nats) if nats < 700 else math.inf)}"
 
@@ -265,7 +318,9 @@ class TrajectoryReport:
                 "log_gradient_bound_certified": self.log_gradient_bound_certified,
                 "forward_max": self.forward_max, "forward_headroom": self.forward_headroom,
                 "backward_headroom": self.backward_headroom, "headroom": self.headroom,
-                "headroom_certified": self.headroom_certified, "ok": self.ok, "converged": self.converged,
+                "headroom_certified": self.headroom_certified, "log_gradient_measured": self.log_gradient_measured,
+                "backward_headroom_measured": self.backward_headroom_measured,
+                "headroom_measured": self.headroom_measured, "ok": self.ok, "converged": self.converged,
                 "worst": {"update": name, "quantity": qty, "nats": nats}, "notes": list(self.notes),
                 "seconds": self.seconds}
 
@@ -273,13 +328,15 @@ class TrajectoryReport:
         """A table per segment, then the bound, the headroom and what consumes it."""
         lines = [f"on-data certificate of {self.model} on a batch of {self.batch_size} x {self.tokens} tokens, "
                  f"{self.dtype} (log M = {self.log_max:.4g} nats)"]
-        head = ("update", "kind", "|X_k|", "peak", "|Dv| est", "steps", "|Dv| cert", "log factor", "kappa", "logit")
+        head = ("update", "kind", "|X_k|", "peak", "|Dv| est", "steps", "|Dv| cert", "log factor", "|p_k|", "kappa",
+                "logit")
         rows = [head]
         for u in self.updates:
             rows.append((u.name, u.kind, fmt_num(u.state_norm), fmt_num(u.peak), fmt_num(u.jacobian_norm),
                          f"{u.steps}{'' if u.converged else '*'}",
                          "-" if u.jacobian_bound is None else f"{fmt_num(u.jacobian_bound)} ({u.bound_source})",
-                         fmt_num(u.log_factor), "-" if u.kappa is None else fmt_num(u.kappa),
+                         fmt_num(u.log_factor), "-" if u.costate_norm is None else fmt_num(u.costate_norm),
+                         "-" if u.kappa is None else fmt_num(u.kappa),
                          "-" if u.max_logit is None else fmt_num(u.max_logit)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         for r in rows:
@@ -295,12 +352,17 @@ class TrajectoryReport:
         lines.append(f"log ||p_0|| <= {self.log_gradient_bound:.4g} (estimate: Lanczos factors, from below)"
                      + (f"; certified: {cert:.4g}" if cert is not None else "; certified: none (a factor has no "
                         "certified bound)"))
+        measured = self.log_gradient_measured
+        if measured is not None:
+            lines.append(f"measured: log max_k ||p_k|| = {measured:.4g} (the costates of this batch, |p_k| above; the "
+                         f"bound is {self.log_gradient_bound - measured:.3g} nats above)")
         lines.append(f"forward: largest state norm or intermediate {fmt_num(self.forward_max)}")
         name, qty, nats = self.worst()
         verdict = "ok" if self.ok else "OVERFLOWS" if self.headroom < 0 else "at the limit"
         hc = self.headroom_certified
         lines.append(f"headroom {self.headroom:.4g} nats (forward {self.forward_headroom:.4g}, backward "
-                     f"{self.backward_headroom:.4g}{'' if hc is None else f'; certified {hc:.4g}'}): {verdict}; "
+                     f"{self.backward_headroom:.4g}{'' if hc is None else f'; certified {hc:.4g}'}"
+                     f"{'' if measured is None else f'; measured {self.backward_headroom_measured:.4g}'}): {verdict}; "
                      f"most consumed by {name!r} ({self.describe(qty, nats)})")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)

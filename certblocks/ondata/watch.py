@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from .api import eval_mode, evaluate, trajectory_of_call
-from .report import TrajectoryReport
+from .report import BASES, TrajectoryReport
 from .sources import Call, Head, Source, calls_steps, token_norm_max
 
 __all__ = ["OnDataWatch", "autocast_state", "restored_autocast", "batch_of"]
@@ -55,10 +55,16 @@ class OnDataWatch:
         window: checks in the trend line (at least 3 before a trend alert).
         steps, tol: Lanczos steps and tolerance per Jacobian (warm-started from the previous check).
         logit_samples: samples used for attention logits.
+        basis: the headroom the alerts read (:meth:`TrajectoryReport.headroom_on`): ``"measured"`` (the batch's
+            own costates where the training backward gave ``p_D``, else the estimate), ``"estimate"`` (the (T)
+            bound with Lanczos factors) or ``"certified"``.
     """
 
     def __init__(self, dtype: str, *, threshold: Optional[float], horizon: Optional[int], window: int, steps: int,
-                 tol: float, logit_samples: int) -> None:
+                 tol: float, logit_samples: int, basis: str = "measured") -> None:
+        if basis not in BASES:
+            raise ValueError(f"headroom_basis must be one of {', '.join(map(repr, BASES))}, got {basis!r}")
+        self.basis = basis
         self.dtype = dtype
         self.threshold, self.horizon, self.window = threshold, horizon, window
         self.steps, self.tol, self.logit_samples = steps, tol, logit_samples
@@ -102,44 +108,53 @@ class OnDataWatch:
     # -- records and alerts -----------------------------------------------------------------------------------
     def figures(self, rep: TrajectoryReport) -> Dict[str, Any]:
         """Record entries: ``data/...`` for the whole, ``<update>/<figure>`` per update."""
-        name, qty, nats = rep.worst()
+        h, used = rep.headroom_on(self.basis)
+        name, qty, nats = rep.worst(used)
         out: Dict[str, Any] = {
+            "data/alert_headroom": h, "data/alert_basis": used,
             "data/headroom": rep.headroom, "data/forward_headroom": rep.forward_headroom,
             "data/backward_headroom": rep.backward_headroom, "data/headroom_certified": _num(rep.headroom_certified),
             "data/log_grad_bound": rep.log_gradient_bound,
             "data/log_grad_bound_certified": _num(rep.log_gradient_bound_certified),
+            "data/headroom_measured": _num(rep.headroom_measured),
+            "data/backward_headroom_measured": _num(rep.backward_headroom_measured),
+            "data/log_grad_measured": _num(rep.log_gradient_measured),
             "data/forward_max": rep.forward_max, "data/head_norm": rep.head.norm, "data/head_source": rep.head.source,
             "data/converged": rep.converged, "data/worst_update": name, "data/worst_quantity": qty}
         for u in rep.updates:
             out.update({f"{u.name}/jacobian_norm": u.jacobian_norm, f"{u.name}/jacobian_bound": u.jacobian_bound,
                         f"{u.name}/jacobian_steps": u.steps, f"{u.name}/peak": u.peak,
-                        f"{u.name}/data_log_factor": u.log_factor, f"{u.name}/data_state_norm": u.state_norm})
+                        f"{u.name}/data_log_factor": u.log_factor, f"{u.name}/data_state_norm": u.state_norm,
+                        f"{u.name}/data_costate_norm": u.costate_norm})
             if u.max_logit is not None:
                 out[f"{u.name}/data_max_logit"] = u.max_logit
         return out
 
     def alerts(self, step: int, rep: TrajectoryReport) -> List[Dict[str, Any]]:
-        """The on-data alerts of this check (threshold, then trend), each a monitor alert dict."""
-        h = rep.headroom
+        """The on-data alerts of this check (threshold, then trend), each a monitor alert dict; they read the
+        headroom on :attr:`basis`."""
+        h, used = rep.headroom_on(self.basis)
         self.history.append((step, h))
         self.history = self.history[-self.window:]
         out = []
-        name, qty, nats = rep.worst()
+        name, qty, nats = rep.worst(used)
         cause = self._cause(rep, name, qty, nats)
+        backward = {"measured": rep.backward_headroom_measured,
+                    "certified": rep.backward_headroom_certified}.get(used, rep.backward_headroom)
         if self.threshold is not None and (math.isnan(h) or h < self.threshold):
             out.append({"step": step, "update": name, "quantity": "headroom", "cause": qty, "value": h,
-                        "threshold": self.threshold,
+                        "threshold": self.threshold, "basis": used,
                         "message": f"step {step}: on-data headroom {h:.4g} nats below {self.threshold:g} "
-                                   f"({rep.dtype}, forward {rep.forward_headroom:.4g}, backward "
-                                   f"{rep.backward_headroom:.4g}): {cause}"})
+                                   f"({rep.dtype}, {used}: forward {rep.forward_headroom:.4g}, backward "
+                                   f"{backward:.4g}): {cause}"})
         if self.horizon is not None and len(self.history) >= 3 and math.isfinite(h):
             zero = self._zero_step()
             if zero is not None and zero - step <= self.horizon:
                 out.append({"step": step, "update": name, "quantity": "headroom trend", "cause": qty, "value": h,
-                            "threshold": float(self.horizon),
+                            "threshold": float(self.horizon), "basis": used,
                             "message": f"step {step}: on-data headroom {h:.4g} nats falls by "
                                        f"{-self._slope():.3g} nats/step and reaches 0 near step {zero:.0f}, within "
-                                       f"the horizon {self.horizon} ({rep.dtype}): {cause}"})
+                                       f"the horizon {self.horizon} ({rep.dtype}, {used}): {cause}"})
         return out
 
     def _slope(self) -> float:

@@ -42,6 +42,14 @@ def _check(model: torch.nn.Module, loss: Callable, x: torch.Tensor, label: str, 
     assert actual <= rep.log_gradient_bound + SLACK, (label, actual, rep.log_gradient_bound)
     cert = rep.log_gradient_bound_certified
     assert cert is not None and actual <= cert + SLACK, (label, actual, cert)
+    # the measured costates: p_0 is the actual gradient, and every p_k is under the (T) member from k on
+    measured = [u.costate_norm for u in rep.updates]
+    assert measured[0] == pytest.approx(math.exp(actual), rel=1e-4), (label, measured[0], math.exp(actual))
+    tail = math.log(rep.head.norm)
+    for u in reversed(rep.updates):
+        tail += u.log_factor_certified
+        assert math.log(u.costate_norm) <= tail + SLACK, (label, u.name, u.costate_norm, tail)
+    assert rep.log_gradient_measured is not None and rep.headroom_measured >= rep.headroom_certified - SLACK
 
 
 def _ascent(model: torch.nn.Module, loss: Callable, x0: torch.Tensor, steps: int = 12) -> List[torch.Tensor]:
@@ -114,3 +122,23 @@ def test_zoo_model_bound_holds_with_its_own_loss() -> None:
         actual = math.log(float(p0.reshape(2, -1).norm(dim=1).max()))
         assert actual <= rep.log_gradient_bound + SLACK, (trial, actual, rep.log_gradient_bound)
         assert actual <= rep.log_gradient_bound_certified + SLACK
+
+
+def test_measured_costates_need_an_exact_costate_at_the_last_state() -> None:
+    st = stack(0).eval()
+    x = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(7))
+    loss = _target_loss((3, 5, 8), 0)
+    rep = certblocks.trajectory(st, x, "fp16", loss=loss)
+    assert rep.headroom_on("measured") == (rep.headroom_measured, "measured")
+    assert "measured: log max_k ||p_k||" in rep.explain()
+    assert rep.to_dict()["headroom_measured"] == rep.headroom_measured
+    # without a loss the stack's costate at X_D is Lip(G), a bound: nothing is measured, the basis falls back
+    blind = certblocks.trajectory(st, x, "fp16")
+    assert blind.head.source == "lip_g" and blind.log_gradient_measured is None
+    assert all(u.costate_norm is None for u in blind.updates)
+    assert blind.headroom_on("measured") == (blind.headroom, "estimate")
+    assert blind.headroom_on("certified")[1] == "certified"
+    with pytest.raises(ValueError, match="'measured', 'estimate', 'certified'"):
+        rep.headroom_on("exact")
+    with pytest.raises(ValueError, match="headroom_basis"):
+        certblocks.CertificateMonitor(st, "fp16", headroom_basis="exact")

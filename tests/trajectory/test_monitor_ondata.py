@@ -55,12 +55,17 @@ def test_alert_before_divergence_and_none_on_a_stable_run() -> None:
     first = alerts[0]
     assert first["update"] == "head" or first["update"].startswith("blocks.")
     assert first["cause"] in certblocks.ondata.QUANTITIES and "consumes the most" in first["message"]
-    assert first["value"] < 1.0 and mon.records[first["step"]]["data/headroom"] == first["value"]
-    headrooms = [r["data/headroom"] for r in mon.records]
+    rec = mon.records[first["step"]]
+    assert first["value"] < 1.0 and rec["data/alert_headroom"] == first["value"]
+    # the alerts read the measured headroom (the training backward gave p_D); the (T) estimate is not above it
+    assert first["basis"] == rec["data/alert_basis"] == "measured" and rec["data/headroom_measured"] == first["value"]
+    assert all(r["data/headroom"] <= r["data/headroom_measured"] + 1e-9 for r in mon.records
+               if r["data/headroom_measured"] is not None and math.isfinite(r["data/headroom_measured"]))
+    headrooms = [r["data/alert_headroom"] for r in mon.records]
     assert headrooms[0] > 5.0 and headrooms[-1] < 1.0
     ok, stable = _run(False, 30)
     assert ok is None and _data_alerts(stable) == []
-    assert all(r["data/headroom"] > 5.0 for r in stable.records)
+    assert all(r["data/alert_headroom"] > 5.0 for r in stable.records)
     # the worst-case margins are recorded, and do not alert by default
     assert "stack/margin_grad" in stable.records[-1] and not any("margin" in a["quantity"] for a in stable.alerts)
 
