@@ -13,6 +13,7 @@ from typing import Iterable, List, Sequence, Tuple, Union
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ._validation import check_finite
 from .bounds import one_thread
@@ -92,7 +93,7 @@ def _split(blocks: Iterable[BlockSpec], seq_len: int | None
                              "update needs its own module (weights shared across depth are not supported)")
         seen[id(module)] = k
         if not cert.name:
-            cert = dataclasses.replace(cert, name=f"{k}:{type(module).__name__}")
+            cert = dataclasses.replace(cert, name=f"{k}:{block_class_name(module)}")
         modules.append(module)
         certs.append(cert)
     if not modules:
@@ -189,7 +190,7 @@ class CertifiedStack(nn.Module):
             cert = fixed if fixed is not None else block_certificate(block, seq_len=self.seq_len,
                                                                      prefix=f"blocks.{k}.")
             if not cert.name:
-                cert = dataclasses.replace(cert, name=f"{k}:{type(block).__name__}")
+                cert = dataclasses.replace(cert, name=f"{k}:{block_class_name(block)}")
             certs.append(cert)
         self._certificate = certify_stack(certs, self.dtype, dt=self.dt, r0=self.r0, lip_g=self.lip_g)
         self._certified_state = self._state_key()
@@ -206,6 +207,12 @@ class CertifiedStack(nn.Module):
     def extra_repr(self) -> str:
         c = self.certificate
         return f"dt={self.dt:g}, dtype={self.dtype}, certified={c.certified_depth}/{c.depth}"
+
+
+def block_class_name(module: nn.Module) -> str:
+    """The block's class name; under :func:`certblocks.enforce` (``torch.nn.utils.parametrize``, which swaps the
+    class for a ``Parametrized<Name>`` subclass) the original one."""
+    return parametrize.type_before_parametrizations(module).__name__
 
 
 def build_stack(blocks: Iterable[BlockSpec], dtype: Union[str, torch.dtype], *, dt: float = 1.0, r0: float = 1.0,

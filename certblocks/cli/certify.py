@@ -4,8 +4,9 @@ MODEL is one of
 
 * ``timm:<name>`` -- a timm model with random weights (``pretrained=False``), on a random image
   of its default input size;
-* ``hf:gpt2`` (``hf:mamba``) -- a Hugging Face model with random weights from the default
-  config (GPT-2 124M; Mamba 130M), on ``--seq-len`` random token ids; nothing is downloaded;
+* ``hf:gpt2`` (``hf:mamba``, ``hf:llama``) -- a Hugging Face model with random weights from the default
+  config (GPT-2 124M; Mamba 130M; a GPT-2-small-sized Llama), on ``--seq-len`` random token ids; nothing is
+  downloaded;
 * ``module:pkg.mod:factory`` -- ``factory()`` returns a module and an example input
   (``(module, example_input)``), or a module with an ``example_input`` attribute;
 * a zoo name (``certblocks.zoo``).
@@ -40,9 +41,9 @@ __all__ = ["ModelSpecError", "add_arguments", "add_certify_parser", "load_model"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``certblocks certify``."""
     p.description = ("Certify every residual update X + f(X) of MODEL from its graph and the depths it reaches in a "
-                     "dtype. MODEL: timm:<name>, hf:gpt2, hf:mamba, module:pkg.mod:factory, or a zoo name.")
+                     "dtype. MODEL: timm:<name>, hf:gpt2, hf:mamba, hf:llama, module:pkg.mod:factory, or a zoo name.")
     p.add_argument("model", nargs="?", default=None,
-                   help="timm:<name> | hf:gpt2 | hf:mamba | module:pkg.mod:factory | zoo name; "
+                   help="timm:<name> | hf:gpt2 | hf:mamba | hf:llama | module:pkg.mod:factory | zoo name; "
                         "without MODEL, every zoo model is certified (fp16, bf16, fp32)")
     p.add_argument("--dtype", type=dtype_list, default=None,
                    help="fp16, bf16, fp32, fp64, fp8_e4m3, fp8_e5m2 (default bf16; comma-separated list "

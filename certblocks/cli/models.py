@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ModelSpecError", "load_model", "load_backbone"]
 
-_FORMS = "timm:<name>, hf:gpt2, hf:mamba or module:pkg.mod:factory"
+_FORMS = "timm:<name>, hf:gpt2, hf:mamba, hf:llama or module:pkg.mod:factory"
 
 
 class ModelSpecError(UsageError):
@@ -54,7 +54,8 @@ def load_model(spec: str, seq_len: int = 8) -> Tuple[torch.nn.Module, Any]:
 
     Args:
         spec: ``timm:<name>`` (on a random image of the model's input size), ``hf:gpt2`` / ``hf:mamba``
-            (the default config's base model, on ``seq_len`` random token ids), ``module:pkg.mod:factory``
+            (the default config's base model, on ``seq_len`` random token ids), ``hf:llama`` (a GPT-2-small-sized
+            Llama base model, as ``certblocks convert hf:llama``), ``module:pkg.mod:factory``
             (``factory()`` returns ``(module, example_input)`` or a module with an ``example_input``), or a
             zoo name.
         seq_len: the sequence length of token inputs.
@@ -83,8 +84,11 @@ def load_model(spec: str, seq_len: int = 8) -> Tuple[torch.nn.Module, Any]:
         if name in ("mamba", "mamba-130m"):
             cfg = tr.MambaConfig()
             return tr.MambaModel(cfg).eval(), _example_ids(cfg.vocab_size, seq_len)
-        raise ModelSpecError(f"hf:{name} is not supported; allowed: hf:gpt2, hf:mamba (random weights from the "
-                             "default config)")
+        if name == "llama":
+            cfg = _llama_config(tr, 12)
+            return tr.LlamaModel(cfg).eval(), _example_ids(cfg.vocab_size, seq_len)
+        raise ModelSpecError(f"hf:{name} is not supported; allowed: hf:gpt2, hf:mamba, hf:llama (random weights "
+                             "from the default config; hf:llama: GPT-2-small-sized)")
     if spec.startswith("module:"):
         return _from_factory(spec)
     return _from_zoo(spec, seq_len)
@@ -161,6 +165,12 @@ def _zoo_example(model: torch.nn.Module, spec: str, seq_len: int) -> Any:
                          "module:pkg.mod:factory returning (module, example_input)")
 
 
+def _llama_config(tr: Any, layers: int) -> Any:
+    """A GPT-2-small-sized Llama: width 768, 12 heads, 4 key/value heads (RoPE, grouped-query attention, SwiGLU)."""
+    return tr.LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_attention_heads=12,
+                          num_key_value_heads=4, num_hidden_layers=layers)
+
+
 def load_backbone(spec: str, *, img_size: int = 224, layers: Optional[int] = None) -> Tuple[torch.nn.Module, Any]:
     """Resolve ``certblocks convert``'s MODEL to ``(model, example_input)``.
 
@@ -191,10 +201,8 @@ def load_backbone(spec: str, *, img_size: int = 224, layers: Optional[int] = Non
         tr = _transformers()
         if spec == "hf:gpt2":
             model = tr.GPT2LMHeadModel(tr.GPT2Config(n_layer=12 if layers is None else layers)).eval()
-        elif spec == "hf:llama":  # a GPT-2-small-sized Llama: RoPE, grouped-query attention (4 KV heads), SwiGLU
-            cfg = tr.LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_attention_heads=12,
-                                 num_key_value_heads=4, num_hidden_layers=12 if layers is None else layers)
-            model = tr.LlamaForCausalLM(cfg).eval()
+        elif spec == "hf:llama":
+            model = tr.LlamaForCausalLM(_llama_config(tr, 12 if layers is None else layers)).eval()
         else:
             cfg = tr.MambaConfig(num_hidden_layers=24 if layers is None else layers, use_mambapy=False)
             model = tr.MambaForCausalLM(cfg).eval()

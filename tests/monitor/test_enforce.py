@@ -112,7 +112,11 @@ def test_state_dict_round_trip() -> None:
 
 def test_unenforce_restores_plain_parameters() -> None:
     st = certblocks.build_stack(_blocks(3), "fp16", dt=1.0, certify=False)
+    names_before = [c.name for c in st.recertify().updates]
     enforce(st, "fp16")
+    # the enforced blocks keep their names (not the Parametrized<Name> class parametrization swaps in)
+    assert [c.name for c in st.recertify().updates] == names_before
+    assert not any("Parametrized" in n for n in names_before)
     with torch.no_grad():
         for p in st.parameters():
             p.add_(torch.randn_like(p) * 50)

@@ -247,13 +247,23 @@ def test_cli_errors(capsys):
     assert run_certify(_parse(["certify", "no-such-zoo-model"])) == 2
     err = capsys.readouterr().err
     assert "no-such-zoo-model" in err and "timm:<name>" in err
-    with pytest.raises(ModelSpecError, match="hf:gpt2"):
+    with pytest.raises(ModelSpecError, match="hf:gpt2, hf:mamba, hf:llama"):
         load_model("hf:bert")
     with pytest.raises(ModelSpecError, match="module:pkg.mod:factory"):
         load_model("module:only_one_part")
     with pytest.raises(ModelSpecError, match="seq-len"):
         load_model("hf:gpt2", seq_len=0)
     _ = sys
+
+
+def test_cli_certifies_hf_llama(capsys):
+    pytest.importorskip("transformers")
+    model, ids = load_model("hf:llama", seq_len=4)
+    assert type(model).__name__ == "LlamaModel" and model.config.num_key_value_heads == 4 and ids.shape == (1, 4)
+    assert run_certify(_parse(["certify", "hf:llama", "--seq-len", "4", "--json"])) == 1  # pre-norm: refused in fp16
+    out = json.loads(capsys.readouterr().out)
+    ups = out["certificates"]["updates"]
+    assert len(ups) == 24 and {(u["q"], u["sigma"]) for u in ups} == {(0.0, 0.0)}
 
 
 class InPlace(nn.Module):
