@@ -126,18 +126,19 @@ def _log(msg: str) -> None:
 
 
 # -- headroom checks -------------------------------------------------------------------------------------------
-def headroom(model: nn.Module, args: Any, loss: Callable, precision: str) -> Optional[float]:
-    """``certblocks.trajectory(...).headroom`` in nats (cheap settings), ``None`` if it cannot be computed."""
+def headroom(model: nn.Module, args: Any, loss: Callable, precision: str) -> Tuple[Optional[float], Optional[float]]:
+    """``certblocks.trajectory(...)``'s headroom in nats (cheap settings): ``(estimate, measured)``, the (T) bound's
+    and the measured costates' (``None`` where it cannot be computed)."""
     from certblocks import trajectory
 
     try:
         with _autocast(precision, "cpu"):
             rep = trajectory(model, args, precision, loss=loss, steps=4, certified=False, logit_samples=2)
-        h = float(rep.headroom)
     except Exception as e:  # a failed check is recorded as missing, the run goes on
         _log(f"headroom check failed: {type(e).__name__}: {e}")
-        return None
-    return h if math.isfinite(h) else (-1e30 if h < 0 or math.isnan(h) else 1e30)
+        return None, None
+    finite = lambda h: None if h is None else h if math.isfinite(h) else (-1e30 if h < 0 or math.isnan(h) else 1e30)
+    return finite(float(rep.headroom)), finite(rep.headroom_measured)
 
 
 class CheckedBatches:
@@ -186,18 +187,22 @@ def run_etth1(variant: str, precision: str, lr: float, seed: int, data: Any, a: 
     torch.manual_seed(seed)
     init = evaluate(model, test, precision)
     checks: List[Tuple[int, Optional[float]]] = []
+    measured: List[Tuple[int, Optional[float]]] = []
 
     def check(step: int, batch: Any) -> None:
         x, y = (t[:a.headroom_samples] for t in batch)
         with reference_scan(model):
-            checks.append((step, headroom(model, x, lambda out: F.mse_loss(out.float(), y), precision)))
+            est, meas = headroom(model, x, lambda out: F.mse_loss(out.float(), y), precision)
+        checks.append((step, est))
+        measured.append((step, meas))
 
     at = a.headroom_steps if precision in a.headroom_precisions else []
     res = train_run(model, CheckedBatches(train, at, check), test, precision=precision,
                     steps=a.steps, lr=lr, log_every=a.steps, label=label)
     nonfinite = res.steps_done - 1 if res.reason.startswith("non-finite loss") else None  # 0-based step
     return {"init_loss": init, "final_loss": res.test_mse, "blew_up": res.blew_up, "reason": res.reason,
-            "nonfinite_step": nonfinite, "steps_done": res.steps_done, "seconds": res.seconds, "headroom": checks}
+            "nonfinite_step": nonfinite, "steps_done": res.steps_done, "seconds": res.seconds, "headroom": checks,
+            "headroom_measured": measured}
 
 
 # -- bytes ----------------------------------------------------------------------------------------------------
@@ -266,6 +271,7 @@ def run_bytes(variant: str, precision: str, lr: float, seed: int, data: Tuple[to
     scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
     g = torch.Generator().manual_seed(seed)
     checks: List[Tuple[int, Optional[float]]] = []
+    measured: List[Tuple[int, Optional[float]]] = []
     at = set(a.headroom_steps) if precision in a.headroom_precisions else set()
     t0 = time.time()
     nonfinite = None
@@ -278,7 +284,9 @@ def run_bytes(variant: str, precision: str, lr: float, seed: int, data: Tuple[to
             xs, ys = x[:a.headroom_samples], y[:a.headroom_samples]
             with torch.no_grad():
                 h0 = model.embed(xs)
-            checks.append((step, headroom(model.stack, h0, lambda out, y=ys: model.head_loss(out, y), precision)))
+            est, meas = headroom(model.stack, h0, lambda out, y=ys: model.head_loss(out, y), precision)
+            checks.append((step, est))
+            measured.append((step, meas))
         with _autocast(precision, "cpu"):
             loss = model(x, y)
         loss_v = float(loss.detach())
@@ -304,7 +312,7 @@ def run_bytes(variant: str, precision: str, lr: float, seed: int, data: Tuple[to
     return {"init_loss": init, "final_loss": final if final is None or math.isfinite(final) else None,
             "blew_up": bool(reason), "reason": reason, "nonfinite_step": nonfinite,
             "steps_done": a.byte_steps if nonfinite is None else nonfinite + 1, "seconds": time.time() - t0,
-            "headroom": checks}
+            "headroom": checks, "headroom_measured": measured}
 
 
 def byte_data(limit: int, block: int, n_eval: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -355,14 +363,25 @@ def critical_lr(runs: List[Dict[str, Any]]) -> Tuple[Optional[float], Optional[f
     return maj, first
 
 
-def headroom_prediction(r: Dict[str, Any]) -> Dict[str, Any]:
-    """Did a headroom check below ``ALERT_NATS`` come before the run's first non-finite loss?"""
+def headroom_prediction(r: Dict[str, Any], key: str = "headroom") -> Dict[str, Any]:
+    """Did a headroom check below ``ALERT_NATS`` come before the run's first non-finite loss?  ``key``:
+    ``"headroom"`` (the (T) estimate) or ``"headroom_measured"``."""
     end = r["nonfinite_step"] if r["nonfinite_step"] is not None else math.inf
-    before = [(s, h) for s, h in r.get("headroom", []) if s < end and h is not None]
+    before = [(s, h) for s, h in r.get(key, []) if s < end and h is not None]
     alerts = [s for s, h in before if h < ALERT_NATS]
     return {"checks": len(before), "min_headroom": min((h for _, h in before), default=None),
             "alert_step": alerts[0] if alerts else None,
             "steps_ahead": (r["nonfinite_step"] - alerts[0]) if alerts and r["nonfinite_step"] is not None else None}
+
+
+def _measured_predictions(rs: List[Dict[str, Any]]) -> Dict[str, int]:
+    """Blow-ups predicted and false alarms of the measured headroom (runs without measured checks: none)."""
+    blown = [headroom_prediction(r, "headroom_measured") for r in rs if r["blew_up"]]
+    survivors = [headroom_prediction(r, "headroom_measured") for r in rs if not r["blew_up"]]
+    return {"blowups_checked_measured": sum(1 for p in blown if p["checks"]),
+            "blowups_predicted_measured": sum(p["alert_step"] is not None for p in blown if p["checks"]),
+            "false_alarms_measured": sum(p["alert_step"] is not None for p in survivors if p["checks"]),
+            "survivors_checked_measured": sum(1 for p in survivors if p["checks"])}
 
 
 def welch(a: Sequence[float], b: Sequence[float]) -> Optional[Dict[str, float]]:
@@ -397,6 +416,7 @@ def summarize(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
                      "blowups_checked": len(checked),
                      "blowups_predicted": sum(p["alert_step"] is not None for p in checked),
                      "false_alarms": sum(p["alert_step"] is not None for p in survivors if p["checks"]),
+                     **_measured_predictions(rs),
                      "survivors_checked": sum(1 for p in survivors if p["checks"])})
     order = [(d, v) for d in VARIANTS for v in VARIANTS[d]]
     rows.sort(key=lambda x: (order.index((x["dataset"], x["variant"])), PRECISIONS.index(x["precision"])))

@@ -105,6 +105,8 @@ def test_headroom_prediction_and_welch_rows():
     r = {"nonfinite_step": 6, "headroom": [[0, 5.0], [4, 0.5], [8, -3.0]]}
     assert headroom_prediction(r) == {"checks": 2, "min_headroom": 0.5, "alert_step": 4, "steps_ahead": 2}
     assert headroom_prediction({"nonfinite_step": None, "headroom": [[0, 3.0]]})["alert_step"] is None
+    r["headroom_measured"] = [[0, 7.0], [4, 2.0], [8, -1.0]]  # the measured headroom: no alert before step 6
+    assert headroom_prediction(r, "headroom_measured")["alert_step"] is None
 
     def run(v, lr, seed, final, blew=False):
         return {"dataset": "bytes", "variant": v, "precision": "bf16", "lr": lr, "seed": seed, "init_loss": 8.0,
@@ -115,12 +117,18 @@ def test_headroom_prediction_and_welch_rows():
     runs += [run("sigmoid_noln", 1e-2, s, 3.5 + 0.2 * s) for s in range(3)]
     runs += [run("swiglu_noln", 1e-2, 0, 4.0), run("swiglu_noln", 1e-2, 1, None, True),
              run("swiglu_noln", 1e-2, 2, None, True)]
+    runs[-1].update(nonfinite_step=5, headroom=[[0, 0.5]], headroom_measured=[[0, 4.0], [4, 0.2]])
+    runs[-3].update(headroom=[[0, 0.5]], headroom_measured=[[0, 4.0]])  # survived: an estimate false alarm
     s = summarize(runs)
     t = {tt["lr"]: tt for tt in s["tests"] if tt["variant"] == "sigmoid_noln"}
     assert t[1e-3]["welch"]["t"] < 0 and t[1e-3]["welch"]["p"] < 1e-3 and t[1e-3]["n"] == [3, 3]
     assert t[1e-2]["welch"] is None and t[1e-2]["n"] == [3, 1]  # one surviving peer seed: no test
     rows = {r["variant"]: r for r in s["rows"]}
     assert rows["swiglu_noln"]["critical_lr"] == 1e-2 and rows["sigmoid_noln"]["critical_lr"] is None
+    sw = rows["swiglu_noln"]
+    assert (sw["blowups_predicted"], sw["false_alarms"]) == (1, 1)
+    measured = (sw["blowups_predicted_measured"], sw["false_alarms_measured"], sw["survivors_checked_measured"])
+    assert measured == (1, 0, 1)
     assert any("sigmoid_noln (q 1) raises the critical learning rate" in v for v in s["verdicts"])
 
 
