@@ -1406,9 +1406,10 @@ def static_rows(old_source: Optional[Path]) -> List[Dict[str, Any]]:
         bd, bn = new.blocks(4096, 4096, n, T, new.FWD_TILE)
         row("forward", "new", n, new._scan_fwd_kernel, dict(T=T, BLOCK_D=bd, BLOCK_N=bn, **flags), 4, bd * T,
             f"{bd} ch x {T} steps")
-        bd = new._block_d(4096, max(4, new.BWD_TILE // (bn * T)))
-        c = dict(T=T, BLOCK_D=bd, BLOCK_N=bn, NSUB=new.BWD_CHANNELS // bd, HAS_DLAST=True, **flags)
-        row("backward", "new", n, new._scan_bwd_kernel, c, 4, bd * T, f"{bd} ch x {T} steps")
+        c = new.bwd_config(4096, n, T)
+        w = c.pop("num_warps")
+        row("backward", "new", n, new._scan_bwd_kernel, dict(T=T, HAS_DLAST=True, FAST=True, **c, **flags), w,
+            c["BLOCK_D"] * c["BT"], f"{c['BLOCK_D']} ch x {c['BT']} steps, {w} warps")
         row("decode", "new", n, new._state_update_kernel, dict(BLOCK_D=32, BLOCK_N=n, **dec), 4, 32, "32 ch")
     return rows
 

@@ -15,16 +15,19 @@ backward's restart points).  Every tensor is read with its own strides: channel-
 (and ``dout``) are read without a copy.
 
 Backward (``_scan_bwd_kernel``): one program per (batch, ``NSUB`` blocks of ``BLOCK_D`` channels inside one
-group); chunks visited in reverse, the program's blocks one after the other inside each chunk.  A block's
-states are recomputed from its checkpoint with the same forward scan (in registers, no per-step scratch),
-then the adjoint ``lam_t = C_t dy_t + a_{t+1} lam_{t+1}`` runs as a reverse associative scan
-(``reverse=True``) over the pairs (a_{t+1}, C_t dy_t), ``a_{t+1}`` built from the inputs loaded one step
-later, the adjoint entering from the later chunk carried through a ``(batch, dim, dstate)`` float32 buffer
-(the size of one state).  ``a_t h_{t-1} = h_t - b_t`` gives the decay gradient without shifting a tile.
-``dB``/``dC`` are summed over the program's channels in registers and written as per-program partials,
-summed afterwards in torch in a fixed order (deterministic, no atomics); ``dA``, ``dD``, ``ddelta_bias``
-are per-batch partials accumulated by their program and summed afterwards.  ``du``, ``ddelta``, ``dz`` are
-written in the inputs' dtypes.
+group); blocks of ``BT`` steps visited in reverse (``BT`` divides the forward's chunk), the program's channel
+blocks one after the other inside each.  Tiles are ``(BT, NP, BLOCK_D, NL)`` (:func:`bwd_config`): a thread holds
+the block's steps, so both scans run in registers, with no shuffle or barrier.  A block's states are recomputed
+from its forward checkpoint (an earlier block of the same forward chunk first scans the steps before it to its
+start state), the entering state folded into the first step; the adjoint ``lam_t = C_t dy_t + a_{t+1} lam_{t+1}``
+is a forward scan of the time-flipped pairs (a_{t+1}, C_t dy_t) (``reverse=True`` would flip the lanes with
+shuffles), ``a_{t+1}`` built from the inputs one step later, the later block's adjoint folded into the last step
+and carried between blocks through a ``(batch, dim, dstate)`` float32 buffer (the size of one state).
+``h_t - b_t = a_t h_{t-1}`` gives the decay gradient.  ``dB``/``dC`` accumulate over the program's channel blocks
+elementwise in registers, are summed over the block's channels once per step block and written as per-program
+partials, summed afterwards in torch in a fixed order (deterministic, no atomics); ``dA``, ``dD``,
+``ddelta_bias`` are per-batch partials accumulated by their program and summed afterwards.  ``du``, ``ddelta``,
+``dz`` are written in the inputs' dtypes.  On a GPU the softplus uses ``lg2.approx`` (``FAST``).
 
 ``cu_seqlens``: turned on the device (``torch.searchsorted``, no host sync) into a per-step sequence
 index ``seq``; the kernels read it: the decay is zeroed where ``seq`` changes (the state restarts from
@@ -46,7 +49,6 @@ import triton.language as tl
 _GATES = {None: 0, "silu": 1, "sigmoid": 2}
 LOG2E = 1.4426950408889634
 FWD_TILE = 8192  # elements of one (T, BLOCK_D, BLOCK_N) tile of the forward
-BWD_TILE = 2048  # of the backward (more live tiles)
 BWD_CHANNELS = 64  # channels of one backward program (dB / dC reduced over them in the program)
 
 
@@ -190,6 +192,42 @@ def _accumulate(ptr, x, mask, ADD):
 
 
 @triton.jit
+def _log2_fast(x, FAST: tl.constexpr):
+    """log2 in float32: lg2.approx on a GPU (FAST), tl.log2 (a polynomial) otherwise; the interpreter cannot
+    run inline assembly."""
+    if FAST:
+        return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return tl.log2(x)
+
+
+@triton.jit
+def _softplus_fast(x, FAST: tl.constexpr):
+    """log(1 + e^x) (x itself past 20) from exp2 and log2."""
+    sp = 0.6931471805599453 * _log2_fast(1.0 + tl.exp2(tl.minimum(x, 20.0) * 1.4426950408889634), FAST)
+    return tl.where(x <= 20.0, sp, x)
+
+
+@triton.jit
+def _sigmoid_fast(x):
+    return 1.0 / (1.0 + tl.exp2(-1.4426950408889634 * x))
+
+
+@triton.jit
+def _delta_f(delta_ptr, offs, mask, bias, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, FAST: tl.constexpr):
+    """As :func:`_delta`, the softplus from :func:`_softplus_fast`."""
+    raw = tl.load(delta_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        raw = raw + bias[None, :]
+    if SOFTPLUS:
+        dt = _softplus_fast(raw, FAST)
+    else:
+        dt = raw
+    return raw, dt
+
+
+@triton.jit
 def _scan_bwd_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, seq_ptr,
     dout_ptr, dlast_ptr, ckpt_ptr, lamc_ptr,
@@ -198,116 +236,153 @@ def _scan_bwd_kernel(
     s_ub, s_ud, s_ul, s_tb, s_td, s_tl, s_zb, s_zd, s_zl, s_gb, s_gd, s_gl,
     s_Bb, s_Bg, s_Bn, s_Bl,
     s_Cb, s_Cg, s_Cn, s_Cl,
-    T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr,
+    T: tl.constexpr, BT: tl.constexpr, BLOCK_D: tl.constexpr, NP: tl.constexpr, NL: tl.constexpr,
+    NSUB: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    GATE: tl.constexpr, HAS_RESET: tl.constexpr, HAS_DLAST: tl.constexpr,
+    GATE: tl.constexpr, HAS_RESET: tl.constexpr, HAS_DLAST: tl.constexpr, FAST: tl.constexpr,
 ):
-    # one program: NSUB blocks of BLOCK_D channels (one group), their dB / dC summed inside the program
+    # tiles (BT, NP, BLOCK_D, NL): state n = p * NL + l; steps and the NP states of a lane in one thread
     pid_b = tl.program_id(0).to(tl.int64)
     nb = tl.num_programs(0)
     pid_p = tl.program_id(1)
-    offs_t = tl.arange(0, T)
-    offs_n = tl.arange(0, BLOCK_N)
-    part = ((pid_b * NPROG + pid_p) * N + offs_n) * L  # rows of the dB / dC partials, (BLOCK_N,)
-    nchunks = tl.cdiv(L, T)
-    for cr in range(0, nchunks):
-        c = nchunks - 1 - cr
-        t = c * T + offs_t
+    R: tl.constexpr = T // BT  # backward steps per forward checkpoint interval
+    offs_t = tl.arange(0, BT)
+    first = (offs_t == 0)[:, None, None, None]
+    lastt = (offs_t == BT - 1)[:, None, None, None]
+    offs_n = tl.arange(0, NP)[:, None] * NL + tl.arange(0, NL)[None, :]  # (NP, NL)
+    mask_n = offs_n < N
+    g = ((pid_p * NSUB * BLOCK_D) // H).to(tl.int64)  # a program never straddles two groups
+    Bp = B_ptr + pid_b * s_Bb + g * s_Bg  # scalar bases; per-state offsets are built in the loop
+    Cp = C_ptr + pid_b * s_Cb + g * s_Cg
+    dBp = dBp_ptr + (pid_b * NPROG + pid_p) * N * L  # rows of the dB / dC partials
+    dCp = dCp_ptr + (pid_b * NPROG + pid_p) * N * L
+    nck = tl.cdiv(L, BT)
+    for cr in range(0, nck):
+        cb = nck - 1 - cr
+        c = cb // R  # the forward chunk
+        t = cb * BT + offs_t
         mask_t = t < L
-        mask_t1 = (t + 1) < L
         t64 = t.to(tl.int64)
-        m_nt = mask_t[:, None] & (offs_n < N)[None, :]
-        keep1 = mask_t1
+        m_nt = mask_t[:, None, None] & mask_n[None, :, :]
+        n64 = offs_n.to(tl.int64)[None, :, :]
+        B4 = tl.load(Bp + n64 * s_Bn + t64[:, None, None] * s_Bl, mask=m_nt, other=0.0).to(tl.float32)[:, :, None, :]
+        C4 = tl.load(Cp + n64 * s_Cn + t64[:, None, None] * s_Cl, mask=m_nt, other=0.0).to(tl.float32)[:, :, None, :]
+        keep1 = (t + 1) < L
         if HAS_RESET:
             sq = tl.load(seq_ptr + t, mask=mask_t, other=-1)
             sq_prev = tl.load(seq_ptr + t - 1, mask=mask_t & (t > 0), other=-1)
-            sq_next = tl.load(seq_ptr + t + 1, mask=mask_t1, other=-1)
+            sq_next = tl.load(seq_ptr + t + 1, mask=keep1, other=-1)
             keep1 = keep1 & (sq_next == sq)
-        dB_acc = tl.zeros((T, BLOCK_N), dtype=tl.float32)
-        dC_acc = tl.zeros((T, BLOCK_N), dtype=tl.float32)
+        dB_acc = tl.zeros((BT, NP, BLOCK_D, NL), dtype=tl.float32)
+        dC_acc = tl.zeros((BT, NP, BLOCK_D, NL), dtype=tl.float32)
         for sub in range(0, NSUB):
-            blk = pid_p * NSUB + sub
-            offs_d, offs_n, mask_d, mask_n, d64, dn, mask_dn, A, A2, Dv, bias = _channels(
-                A_ptr, D_ptr, bias_ptr, blk, DIM, N, BLOCK_D, BLOCK_N, HAS_D, HAS_BIAS)
-            u_row, t_row, z_row, Bp, Cp = _rows(
-                u_ptr, delta_ptr, z_ptr, B_ptr, C_ptr, pid_b, blk, offs_n, H, s_ub, s_ud, s_tb, s_td, s_zb, s_zd,
-                s_Bb, s_Bg, s_Bn, s_Cb, s_Cg, s_Cn, BLOCK_D)
-            g_row = dout_ptr + pid_b * s_gb + d64 * s_gd
+            offs_d = (pid_p * NSUB + sub) * BLOCK_D + tl.arange(0, BLOCK_D)
+            mask_d = offs_d < DIM
+            d64 = offs_d.to(tl.int64)
+            dn = d64[None, :, None] * N + offs_n[:, None, :]  # (NP, BLOCK_D, NL)
+            mask_dn = mask_d[None, :, None] & mask_n[:, None, :]
+            A4 = tl.load(A_ptr + dn, mask=mask_dn, other=0.0).to(tl.float32)[None]
+            A2 = A4 * 1.4426950408889634
+            Dv = tl.load(D_ptr + offs_d, mask=mask_d & HAS_D, other=0.0).to(tl.float32)
+            bias = tl.load(bias_ptr + offs_d, mask=mask_d & HAS_BIAS, other=0.0).to(tl.float32)
+            u_row = u_ptr + pid_b * s_ub + d64 * s_ud
+            t_row = delta_ptr + pid_b * s_tb + d64 * s_td
             o_row = pid_b * DIM * L + d64 * L  # du, ddelta, dz: (batch, dim, L) contiguous
             m_dt = mask_t[:, None] & mask_d[None, :]
-            uu, raw, dt, Bt, Ct = _chunk(u_row, t_row, Bp, Cp, t64, m_dt, m_nt, s_ul, s_tl, s_Bl, s_Cl, bias, HAS_BIAS,
-                                         SOFTPLUS)
-            _, dt1 = _delta(t_row[None, :] + (t64[:, None] + 1) * s_tl, 0, mask_t1[:, None] & mask_d[None, :], bias,
-                            HAS_BIAS, SOFTPLUS)
-            dout = tl.load(g_row[None, :] + t64[:, None] * s_gl, mask=m_dt, other=0.0).to(tl.float32)
-            a = tl.exp2(dt[:, :, None] * A2[None, :, :])
-            if HAS_RESET:
-                a = tl.where((sq == sq_prev)[:, None, None], a, 0.0)
-            a1 = tl.where(keep1[:, None, None], tl.exp2(dt1[:, :, None] * A2[None, :, :]), 0.0)  # a_{t+1}
+            uu = tl.load(u_row[None, :] + t64[:, None] * s_ul, mask=m_dt, other=0.0).to(tl.float32)
+            raw, dt = _delta_f(t_row[None, :] + t64[:, None] * s_tl, 0, m_dt, bias, HAS_BIAS, SOFTPLUS, FAST)
+            dt = tl.where(m_dt, dt, 0.0)  # past the end: a = 1, b = 0
+            raw1, dt1 = _delta_f(t_row[None, :] + (t64[:, None] + 1) * s_tl, 0, keep1[:, None] & mask_d[None, :],
+                                 bias, HAS_BIAS, SOFTPLUS, FAST)
+            dt1 = tl.where(keep1[:, None], dt1, 0.0)  # a_{t+1} = 1 past the end (carries dlast in)
+            dout = tl.load(dout_ptr + pid_b * s_gb + d64[None, :] * s_gd + t64[:, None] * s_gl, mask=m_dt,
+                           other=0.0).to(tl.float32)
             if c > 0:
                 h0 = tl.load(ckpt_ptr + ((c - 1) * nb + pid_b) * DIM * N + dn, mask=mask_dn, other=0.0)
             else:
-                h0 = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
+                h0 = tl.zeros((NP, BLOCK_D, NL), dtype=tl.float32)
+            for w in tl.static_range(R - 1):  # the state at this block's start: scan the earlier blocks of c
+                if w < cb % R:
+                    tw64 = (c * T + w * BT + offs_t).to(tl.int64)
+                    uw = tl.load(u_row[None, :] + tw64[:, None] * s_ul, mask=mask_d[None, :], other=0.0)
+                    raw_w, dtw = _delta_f(t_row[None, :] + tw64[:, None] * s_tl, 0, mask_d[None, :], bias,
+                                          HAS_BIAS, SOFTPLUS, FAST)
+                    Bw = tl.load(Bp + n64 * s_Bn + tw64[:, None, None] * s_Bl, mask=mask_n[None, :, :], other=0.0)
+                    aw = tl.exp2(dtw[:, None, :, None] * A2)
+                    if HAS_RESET:
+                        sw = tl.load(seq_ptr + tw64)
+                        sw_prev = tl.load(seq_ptr + tw64 - 1, mask=tw64 > 0, other=-1)
+                        aw = tl.where((sw == sw_prev)[:, None, None, None], aw, 0.0)
+                    bw = (dtw * uw.to(tl.float32))[:, None, :, None] * Bw.to(tl.float32)[:, :, None, :]
+                    aw_c, hw = tl.associative_scan((aw, bw + tl.where(first, aw * h0[None], -0.0)), 0, _affine)
+                    h0 = tl.sum(tl.where(lastt, hw, -0.0), axis=0)
+            dt4 = dt[:, None, :, None]
             dtu = dt * uu
-            b = dtu[:, :, None] * Bt[:, None, :]
-            ac, bc = tl.associative_scan((a, b), 0, _affine)
-            hs = ac * h0[None, :, :] + bc  # h_t
+            dtu4 = dtu[:, None, :, None]
+            a = tl.exp2(dt4 * A2)
+            if HAS_RESET:
+                a = tl.where((sq == sq_prev)[:, None, None, None], a, 0.0)
+            # h_t = a_t h_{t-1} + b_t, the chunk's entering state folded into its first step
+            ac, hs = tl.associative_scan((a, dtu4 * B4 + tl.where(first, a * h0[None], -0.0)), 0, _affine)
             if HAS_Z:
-                zz = tl.load(z_row[None, :] + t64[:, None] * s_zl, mask=m_dt, other=0.0).to(tl.float32)
-                sz = tl.sigmoid(zz)
-                y = tl.sum(hs * Ct[:, None, :], axis=2)
-                if HAS_D:
-                    y = y + Dv[None, :] * uu
+                zz = tl.load(z_ptr + pid_b * s_zb + d64[None, :] * s_zd + t64[:, None] * s_zl, mask=m_dt,
+                             other=0.0).to(tl.float32)
+                sz = _sigmoid_fast(zz)
                 if GATE == 1:
                     gz = zz * sz
                     gp = sz * (1.0 + zz * (1.0 - sz))
                 else:
                     gz = sz
                     gp = sz * (1.0 - sz)
+                y = tl.sum(tl.sum(hs * C4, axis=1), axis=2)
+                if HAS_D:
+                    y = y + Dv[None, :] * uu
                 tl.store(dz_ptr + o_row[None, :] + t64[:, None], (dout * y * gp).to(dz_ptr.dtype.element_ty), mask=m_dt)
                 dy = dout * gz
             else:
                 dy = dout
-            gin = dy[:, :, None] * Ct[:, None, :]
-            if HAS_DLAST:
-                if HAS_RESET:
+            dy4 = dy[:, None, :, None]
+            dC_acc += hs * dy4
+            # lam_t = C_t dy_t + a_{t+1} lam_{t+1}, the later block's adjoint folded into the last step
+            gin = dy4 * C4
+            a1 = tl.exp2(dt1[:, None, :, None] * A2)
+            if HAS_RESET:
+                a1 = tl.where(keep1[:, None, None, None], a1, 0.0)
+                if HAS_DLAST:
                     ends = mask_t & (sq_next != sq)
-                    lp = dlast_ptr + sq.to(tl.int64)[:, None, None] * DIM * N + dn[None, :, :]
-                    gin += tl.load(lp, mask=mask_dn[None, :, :] & ends[:, None, None], other=0.0).to(tl.float32)
-                else:
-                    dl = tl.load(dlast_ptr + pid_b * DIM * N + dn, mask=mask_dn & (cr == 0), other=0.0).to(tl.float32)
-                    gin += tl.where((t == L - 1)[:, None, None], dl[None, :, :], 0.0)
-            # lam_t = gin_t + a_{t+1} lam_{t+1}; the later chunk's adjoint enters through a_{t+1} at the last step
-            lc, gc = tl.associative_scan((a1, gin), 0, _affine, reverse=True)
+                    lp = dlast_ptr + sq.to(tl.int64)[:, None, None, None] * DIM * N + dn[None]
+                    gin += tl.load(lp, mask=mask_dn[None] & ends[:, None, None, None], other=0.0).to(tl.float32)
             if cr > 0:
                 lam_in = tl.load(lamc_ptr + pid_b * DIM * N + dn, mask=mask_dn, other=0.0)
+            elif HAS_DLAST and not HAS_RESET:
+                lam_in = tl.load(dlast_ptr + pid_b * DIM * N + dn, mask=mask_dn, other=0.0).to(tl.float32)
             else:
-                lam_in = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
-            lam = lc * lam_in[None, :, :] + gc
-            tl.store(lamc_ptr + pid_b * DIM * N + dn, tl.sum(tl.where((offs_t == 0)[:, None, None], lam, 0.0), axis=0),
-                     mask=mask_dn)
-            dlog = lam * (hs - b)  # lam_t a_t h_{t-1}
-            dC = tl.sum(hs * dy[:, :, None], axis=1)  # (T, BLOCK_N)
-            dB = tl.sum(lam * dtu[:, :, None], axis=1)
-            dC_acc += dC
-            dB_acc += dB
-            ddtu = tl.sum(lam * Bt[:, None, :], axis=2)  # (T, BLOCK_D)
-            ddt = tl.sum(dlog * A[None, :, :], axis=2) + ddtu * uu
-            _accumulate(dA_ptr + pid_b * DIM * N + dn, tl.sum(dlog * dt[:, :, None], axis=0), mask_dn, cr > 0)
+                lam_in = tl.zeros((NP, BLOCK_D, NL), dtype=tl.float32)
+            # a forward scan of the time-flipped block (a flip within a thread costs nothing; reverse=True
+            # reverses the lanes with shuffles)
+            gin = gin + tl.where(lastt, a1 * lam_in[None], -0.0)
+            lc, lam = tl.associative_scan((tl.flip(a1, 0), tl.flip(gin, 0)), 0, _affine)
+            lam = tl.flip(lam, 0)
+            tl.store(lamc_ptr + pid_b * DIM * N + dn, tl.sum(tl.where(first, lam, -0.0), axis=0), mask=mask_dn)
+            dB_acc += lam * dtu4
+            dlog = lam * tl.fma(-dtu4, B4, hs)  # lam_t a_t h_{t-1}
+            ddtu = tl.sum(tl.sum(lam * B4, axis=1), axis=2)  # (BT, BLOCK_D)
+            ddt = tl.sum(tl.sum(dlog * A4, axis=1), axis=2) + ddtu * uu
+            _accumulate(dA_ptr + pid_b * DIM * N + dn, tl.sum(dlog * dt4, axis=0), mask_dn, cr > 0)
             du = ddtu * dt
             if HAS_D:
                 du += dy * Dv[None, :]
                 _accumulate(dD_ptr + pid_b * DIM + offs_d, tl.sum(dy * uu, axis=0), mask_d, cr > 0)
             if SOFTPLUS:
-                ddt = ddt * tl.sigmoid(raw)
+                ddt = ddt * _sigmoid_fast(raw)
             ddt = tl.where(m_dt, ddt, 0.0)
             if HAS_BIAS:
                 _accumulate(dbias_ptr + pid_b * DIM + offs_d, tl.sum(ddt, axis=0), mask_d, cr > 0)
             tl.store(du_ptr + o_row[None, :] + t64[:, None], du.to(du_ptr.dtype.element_ty), mask=m_dt)
             tl.store(ddelta_ptr + o_row[None, :] + t64[:, None], ddt.to(ddelta_ptr.dtype.element_ty), mask=m_dt)
-        tl.store(dCp_ptr + part[None, :] + t64[:, None], dC_acc, mask=m_nt)
-        tl.store(dBp_ptr + part[None, :] + t64[:, None], dB_acc, mask=m_nt)
-        tl.debug_barrier()  # the adjoint carry and the accumulators are read back by other threads
+        tl.store(dCp + n64 * L + t64[:, None, None], tl.sum(dC_acc, axis=2), mask=m_nt)
+        tl.store(dBp + n64 * L + t64[:, None, None], tl.sum(dB_acc, axis=2), mask=m_nt)
+        tl.debug_barrier()  # the adjoint carry and dA / dD / ddelta_bias are read back next block
 
 
 @triton.jit
@@ -376,6 +451,20 @@ def blocks(dim: int, H: int, N: int, chunk: int, tile: int):
     return _block_d(H, max(1, tile // (BN * chunk))), BN
 
 
+def bwd_config(H: int, N: int, chunk: int) -> dict:
+    """Constexprs and ``num_warps`` of the backward for ``H`` channels a group, ``N`` states, forward chunk
+    ``chunk``.  Tiles ``(BT, NP, BLOCK_D, NL)``: the state n = p * NL + l, NL states on lanes, NP states and BT
+    steps in a thread, BLOCK_D channels on the other lanes and the warps (the per-channel tiles ``(BT, BLOCK_D)``
+    then hold one element a thread, which keeps their math out of the broadcast layout).  dstate <= 16: 8 steps,
+    8 state lanes, 2 warps; larger: 16 steps, 32 state lanes, 1 warp.  ``NSUB`` blocks make one program's
+    ``BWD_CHANNELS`` channels (dB / dC summed over them in registers)."""
+    BN = triton.next_power_of_2(N)
+    NL, BT, warps = (min(BN, 8), 8, 2) if BN <= 16 else (32, 16, 1)
+    BD = _block_d(H, max(1, 32 * warps // NL))
+    per_prog = _block_d(H, max(BD, BWD_CHANNELS))
+    return dict(BT=min(BT, chunk), BLOCK_D=BD, NP=BN // NL, NL=NL, NSUB=per_prog // BD, num_warps=warps)
+
+
 def seq_index(cu_seqlens: Optional[torch.Tensor], L: int, device: torch.device) -> Optional[torch.Tensor]:
     """int32 (L,): the packed sequence each step belongs to (None without cu_seqlens).  On the device, no
     host sync: step t is in the last sequence i with cu_seqlens[i] <= t (empty sequences own no step)."""
@@ -436,10 +525,9 @@ def scan_bwd(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, g
     A = A.contiguous()
     D = D.contiguous() if D is not None else None
     delta_bias = delta_bias.contiguous() if delta_bias is not None else None
-    BN = triton.next_power_of_2(N)
-    BD = _block_d(H, max(4, BWD_TILE // (BN * chunk)))  # 4 channels at N 16 and 64: fewest instructions, least spilled
-    per_prog = _block_d(H, max(BD, BWD_CHANNELS))  # channels of one program (a multiple of BD inside one group)
-    nprog = dim // per_prog
+    cfg = bwd_config(H, N, chunk)
+    warps = cfg.pop("num_warps")
+    nprog = dim // (cfg["BLOCK_D"] * cfg["NSUB"])
     dev = u.device
     f32 = dict(device=dev, dtype=torch.float32)
     # every element below is written by the kernel (when L > 0)
@@ -462,9 +550,10 @@ def scan_bwd(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, g
                 du, ddelta, _opt(dz, du), dA, dD, dbias, dBp, dCp,
                 L, dim, N, H, nprog,
                 *u.stride(), *delta.stride(), *_s3(z), *dout.stride(), *B.stride(), *C.stride(),
-                T=chunk, BLOCK_D=BD, BLOCK_N=BN, NSUB=per_prog // BD,
+                T=chunk, **cfg,
                 HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
                 SOFTPLUS=delta_softplus, GATE=_GATES[gate], HAS_RESET=seq is not None, HAS_DLAST=dlast is not None,
+                FAST=dev.type == "cuda", num_warps=warps,
             )
     dB = dBp.view(batch, G, nprog // G, N, L).sum(2)
     dC = dCp.view(batch, G, nprog // G, N, L).sum(2)

@@ -46,8 +46,9 @@ SCRIPT = textwrap.dedent(
         flags = dict(HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, GATE=1, HAS_RESET=reset)
         bd, bn = ts.blocks(4096, 4096, n, 32, ts.FWD_TILE)
         compile_(ts._scan_fwd_kernel, io, dict(T=32, BLOCK_D=bd, BLOCK_N=bn, **flags))
-        c = dict(T=32, BLOCK_D=4, BLOCK_N=bn, NSUB=ts.BWD_CHANNELS // 4, HAS_DLAST=True, **flags)
-        compile_(ts._scan_bwd_kernel, io, c)
+        c = ts.bwd_config(4096, n, 32)
+        c.pop("num_warps")
+        compile_(ts._scan_bwd_kernel, io, dict(T=32, HAS_DLAST=True, FAST=True, **c, **flags))
     io2 = {k: "*" + dt for k in ("x_ptr", "dt_ptr", "z_ptr", "out_ptr", "B_ptr", "C_ptr")}
     c2 = dict(BLOCK_D=32, BLOCK_N=16, HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, GATE=2)
     compile_(ts._state_update_kernel, io2, c2)
