@@ -230,7 +230,8 @@ def evaluate(src: Source, dtype: str, *, model: str = "", steps: int = 12, tol: 
             notes.append(f"no measured costates: {type(exc).__name__}: {exc}")
     x0 = src.steps[0].x
     return TrajectoryReport(model, dtype, math.log(float_max(dtype)), ups, head, int(x0.shape[0]), tokens_of(x0),
-                            notes=notes, input_norm=src.input_norm, stem_peak=src.stem_peak)
+                            notes=notes, input_norm=src.input_norm, stem_peak=src.stem_peak,
+                            stem_peaks=dict(src.stem_peaks))
 
 
 def costate_norms(steps: List[Step], p_d: Tensor) -> List[float]:
@@ -254,18 +255,42 @@ def _update(st: Step, steps: int, tol: float, dense_max: int, warm: Optional[Dic
     est, out_tokens = _estimate(st.fn, st.x, st.key or st.name, steps, tol, warm)
     jn = float(est.values.max())
     bound, source = _certified_bound(st.cert, st.x, out_tokens, _dense(st.fn64, st.x, dense_max))
-    peak, logit = st.peak()
+    peak, logit, peaks = st.peak()
     return UpdateTrajectory(st.name, st.kind, token_norm_max(st.x), st.out_norm, jn, bound, source, est.steps,
                             est.converged, est.change, est.jvp, peak, st.dt,
-                            kappa=None if st.kappa is None else st.kappa(), max_logit=logit)
+                            kappa=None if st.kappa is None else st.kappa(), max_logit=logit, peaks=peaks,
+                            state_max=_entry_max(st.x), state_dtype=_dtype_label(st.x.dtype))
+
+
+def _dtype_label(dtype: torch.dtype) -> str:
+    """The dtype's canonical name, or ``""`` for one certblocks has no name for."""
+    try:
+        return dtype_name(dtype)
+    except (TypeError, ValueError):
+        return ""
+
+
+def _entry_max(t: Tensor) -> float:
+    """Largest ``|entry|`` (NaN counts as ``inf``)."""
+    if t.numel() == 0:
+        return 0.0
+    v = float(t.detach().abs().max().to(torch.float64))
+    return math.inf if math.isnan(v) else v
 
 
 def _head(h: Head, steps: int, tol: float, dense_max: int, warm: Optional[Dict[str, Tensor]]
           ) -> Tuple[HeadTrajectory, Optional[Tensor]]:
     """The head's figures, and the exact costate ``p_D`` where there is one (the loss's gradient, or given)."""
+    peak, peaks = h.peak()
+    head, p = _head_costate(h, peak, steps, tol, dense_max, warm)
+    head.peaks, head.state_max, head.state_dtype = peaks, _entry_max(h.x), _dtype_label(h.x.dtype)
+    return head, p
+
+
+def _head_costate(h: Head, peak: float, steps: int, tol: float, dense_max: int, warm: Optional[Dict[str, Tensor]]
+                  ) -> Tuple[HeadTrajectory, Optional[Tensor]]:
     x = h.x.detach()
     rd = token_norm_max(x)
-    peak = h.peak()
     if h.loss_fn is not None:
         xg = x.clone().requires_grad_(True)
         with torch.enable_grad():

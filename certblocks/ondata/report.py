@@ -28,11 +28,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from .._format import fmt_num
+from ..budget import float_max
 
 __all__ = ["UpdateTrajectory", "HeadTrajectory", "TrajectoryReport", "QUANTITIES", "BASES"]
 
 #: The quantities an on-data alert can name.
-QUANTITIES = ("state norm", "logits", "intermediate", "Jacobian", "head", "gradient growth")
+QUANTITIES = ("state norm", "state", "logits", "intermediate", "Jacobian", "head", "gradient growth")
 
 #: The bases an on-data headroom can be read on (:meth:`TrajectoryReport.headroom_on`).
 BASES = ("measured", "estimate", "certified")
@@ -70,6 +71,8 @@ class UpdateTrajectory:
         max_logit: largest ``|logit|`` of an attention update on the batch, else ``None``.
         costate_norm: the measured costate ``p_k`` at the segment's input, largest per-sample norm (the gradient
             this batch's backward has there, by vector-Jacobian products from an exact ``p_D``), else ``None``.
+        peaks: :attr:`peak` per dtype of the intermediates (``{"fp16": ..., "fp32": ...}``).
+        state_max, state_dtype: largest ``|entry|`` of the input state ``X_k`` and its dtype.
     """
 
     name: str
@@ -88,6 +91,9 @@ class UpdateTrajectory:
     kappa: Optional[float] = None
     max_logit: Optional[float] = None
     costate_norm: Optional[float] = None
+    peaks: Dict[str, float] = field(default_factory=dict)
+    state_max: float = 0.0
+    state_dtype: str = ""
 
     @property
     def log_factor(self) -> float:
@@ -136,6 +142,7 @@ class HeadTrajectory:
         peak: largest ``|entry|`` of the head's intermediates (0 when not evaluated).
         loss_gradient: the bound on the loss gradient in the head's output used with ``"jacobian"``.
         detail: how :attr:`norm` was obtained, in words.
+        peaks, state_max, state_dtype: as for :class:`UpdateTrajectory` (the head's intermediates, ``X_D``).
     """
 
     source: str
@@ -145,6 +152,9 @@ class HeadTrajectory:
     peak: float
     loss_gradient: float = 1.0
     detail: str = ""
+    peaks: Dict[str, float] = field(default_factory=dict)
+    state_max: float = 0.0
+    state_dtype: str = ""
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -175,6 +185,7 @@ class TrajectoryReport:
     seconds: float = 0.0
     input_norm: float = 0.0
     stem_peak: float = 0.0
+    stem_peaks: Dict[str, float] = field(default_factory=dict)
 
     # -- the whole ------------------------------------------------------------------------------------------
     @property
@@ -230,6 +241,35 @@ class TrajectoryReport:
             return None
         return _nan_up(max(_log(n) for n in norms + [self.head.norm]))  # type: ignore[operator]
 
+    def measured_forward_items(self) -> List[Tuple[float, str, str, float]]:
+        """``(headroom, where, quantity, largest |entry|)`` of every forward tensor group as the batch ran: each
+        update's input state and its intermediates per dtype, the stem's and the head's.  Where some tensor ran
+        in the report's dtype (autocast, or a model cast to it), each group counts against its own dtype's ``M``
+        (a float32 residual stream under float16 autocast is float32); else (a float32 run asked about float16)
+        every group counts against the report's ``M``."""
+        groups: List[Tuple[float, str, str, str]] = []  # (value, dtype, where, quantity)
+        for u in self.updates:
+            groups.append((u.state_max, u.state_dtype, u.name, "state"))
+            groups += [(v, dt, u.name, "logits" if u.max_logit is not None and u.max_logit >= 0.5 * v
+                        else "intermediate") for dt, v in u.peaks.items()]
+        h = self.head
+        groups.append((h.state_max, h.state_dtype, "head", "state"))
+        groups += [(v, dt, "head", "logits") for dt, v in h.peaks.items()]
+        groups += [(v, dt, "stem", "intermediate") for dt, v in self.stem_peaks.items()]
+        as_run = any(dt == self.dtype for _, dt, _, _ in groups)
+        out = []
+        for v, dt, where, qty in groups:
+            log_m = math.log(float_max(dt)) if as_run and dt else self.log_max
+            out.append((log_m - _log(v), where, qty, v))
+        return out
+
+    @property
+    def forward_headroom_measured(self) -> float:
+        """The forward headroom as the batch ran (:meth:`measured_forward_items`): the largest ``|entry|`` of every
+        state and intermediate against its dtype's ``M``.  At least :attr:`forward_headroom` when nothing ran in a
+        wider dtype (entries instead of per-token norms)."""
+        return min((h for h, _, _, _ in self.measured_forward_items()), default=math.inf)
+
     @property
     def backward_headroom_measured(self) -> Optional[float]:
         m = self.log_gradient_measured
@@ -237,9 +277,9 @@ class TrajectoryReport:
 
     @property
     def headroom_measured(self) -> Optional[float]:
-        """``min(forward, measured backward)`` headroom in nats (``None`` without measured costates)."""
+        """``min(measured forward, measured backward)`` headroom in nats (``None`` without measured costates)."""
         b = self.backward_headroom_measured
-        return None if b is None else min(self.forward_headroom, b)
+        return None if b is None else min(self.forward_headroom_measured, b)
 
     def headroom_on(self, basis: str) -> Tuple[float, str]:
         """``(headroom, basis used)`` on ``basis``: ``"measured"`` (falls back to ``"estimate"`` without measured
@@ -272,7 +312,10 @@ class TrajectoryReport:
         _, used = self.headroom_on(basis)
         backward = {"measured": self.backward_headroom_measured,
                     "certified": self.backward_headroom_certified}.get(used, self.backward_headroom)
-        if used == "measured" and self.forward_headroom > backward:  # type: ignore[operator]
+        if used == "measured" and self.forward_headroom_measured <= backward:  # type: ignore[operator]
+            _, name, qty, value = min(self.measured_forward_items(), key=lambda c: c[0])
+            return name, qty, _log(value)
+        if used == "measured":
             after = [u.costate_norm for u in self.updates[1:]] + [self.head.norm]
             growth = [(_log(u.costate_norm) - _log(n), u.name, "gradient growth")
                       for u, n in zip(self.updates, after)]
@@ -320,6 +363,7 @@ class TrajectoryReport:
                 "backward_headroom": self.backward_headroom, "headroom": self.headroom,
                 "headroom_certified": self.headroom_certified, "log_gradient_measured": self.log_gradient_measured,
                 "backward_headroom_measured": self.backward_headroom_measured,
+                "forward_headroom_measured": self.forward_headroom_measured,
                 "headroom_measured": self.headroom_measured, "ok": self.ok, "converged": self.converged,
                 "worst": {"update": name, "quantity": qty, "nats": nats}, "notes": list(self.notes),
                 "seconds": self.seconds}
@@ -355,14 +399,15 @@ class TrajectoryReport:
         measured = self.log_gradient_measured
         if measured is not None:
             lines.append(f"measured: log max_k ||p_k|| = {measured:.4g} (the costates of this batch, |p_k| above; the "
-                         f"bound is {self.log_gradient_bound - measured:.3g} nats above)")
+                         f"bound is {self.log_gradient_bound - measured:.3g} nats above); forward headroom as run "
+                         f"{self.forward_headroom_measured:.4g} (entries against their dtype's M)")
         lines.append(f"forward: largest state norm or intermediate {fmt_num(self.forward_max)}")
         name, qty, nats = self.worst()
         verdict = "ok" if self.ok else "OVERFLOWS" if self.headroom < 0 else "at the limit"
         hc = self.headroom_certified
         lines.append(f"headroom {self.headroom:.4g} nats (forward {self.forward_headroom:.4g}, backward "
                      f"{self.backward_headroom:.4g}{'' if hc is None else f'; certified {hc:.4g}'}"
-                     f"{'' if measured is None else f'; measured {self.backward_headroom_measured:.4g}'}): {verdict}; "
+                     f"{'' if measured is None else f'; measured {self.headroom_measured:.4g}'}): {verdict}; "
                      f"most consumed by {name!r} ({self.describe(qty, nats)})")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)

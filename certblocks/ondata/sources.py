@@ -25,8 +25,9 @@ import torch
 from torch import Tensor, nn
 
 from ..blocks.gain import ScaledBranch
+from ..budget import dtype_name
 from ..certificate import BlockCertificate
-from ..testing.record import largest_intermediate
+from ..testing.record import intermediate_peaks
 
 __all__ = ["Step", "Head", "Call", "module_steps", "calls_steps", "graph_steps", "token_norm_max",
            "attention_kappa", "attention_max_logit", "attention_module"]
@@ -123,12 +124,17 @@ def attention_max_logit(m: nn.Module, x: Tensor, samples: int = 8) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ what is evaluated
+#: The largest ``|entry|`` per dtype (canonical names: ``"fp16"``, ``"fp32"``...).
+Peaks = Dict[str, float]
+
+
 @dataclass
 class Step:
     """One segment on the batch: ``fn`` maps its input state ``x`` to the velocity (an update) or the next state.
 
     ``fn64`` is its float64 twin (``None``: none), ``peak()`` returns ``(largest intermediate, largest attention
-    logit or None)``, ``kappa()`` the attention's query-key coefficient (``None``: not an attention update).
+    logit or None, largest intermediate per dtype)``, ``kappa()`` the attention's query-key coefficient (``None``:
+    not an attention update).
     """
 
     name: str
@@ -139,7 +145,7 @@ class Step:
     dt: float = 1.0
     fn64: Optional[Fn] = None
     cert: Optional[BlockCertificate] = None
-    peak: Callable[[], Tuple[float, Optional[float]]] = lambda: (0.0, None)
+    peak: Callable[[], Tuple[float, Optional[float], Peaks]] = lambda: (0.0, None, {})
     kappa: Optional[Callable[[], float]] = None
     key: str = ""
 
@@ -160,7 +166,7 @@ class Head:
     loss_gradient: float = 1.0
     cert: Optional[BlockCertificate] = None
     fn64: Optional[Fn] = None
-    peak: Callable[[], float] = lambda: 0.0
+    peak: Callable[[], Tuple[float, Peaks]] = lambda: (0.0, {})
     detail: str = ""
 
 
@@ -173,6 +179,7 @@ class Source:
     input_norm: float
     stem_peak: float = 0.0
     notes: List[str] = field(default_factory=list)
+    stem_peaks: Peaks = field(default_factory=dict)
 
 
 def _floating_outputs(out: Any) -> List[Tensor]:
@@ -233,8 +240,9 @@ def _call_fn64(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any])
     return f
 
 
-def _peak_fn(fn: Fn, x: Tensor, attn: Optional[nn.Module], samples: int) -> Callable[[], Tuple[float, Optional[float]]]:
-    def peak() -> Tuple[float, Optional[float]]:
+def _peak_fn(fn: Fn, x: Tensor, attn: Optional[nn.Module], samples: int
+             ) -> Callable[[], Tuple[float, Optional[float], Peaks]]:
+    def peak() -> Tuple[float, Optional[float], Peaks]:
         seen: List[Tensor] = []
         handle = None
         if attn is not None:
@@ -242,14 +250,12 @@ def _peak_fn(fn: Fn, x: Tensor, attn: Optional[nn.Module], samples: int) -> Call
                 lambda mod, args, kwargs: seen.append(args[0] if args else next(iter(kwargs.values()))),
                 with_kwargs=True)
         try:
-            val = float(largest_intermediate(fn, x.detach()).detach())
+            val, by_dtype = intermediate_peaks(fn, x.detach())
         finally:
             if handle is not None:
                 handle.remove()
-        if math.isnan(val):
-            val = math.inf
         logit = attention_max_logit(attn, seen[0], samples) if attn is not None and seen else None
-        return val, logit
+        return val, logit, _named(by_dtype)
     return peak
 
 
@@ -370,9 +376,21 @@ def module_steps(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]
     return Source(steps, head, token_norm_max(ordered[0].x), notes=notes)
 
 
-def _peak_only(fn: Fn, x: Tensor) -> float:
-    v = float(largest_intermediate(fn, x.detach()).detach())
-    return math.inf if math.isnan(v) else v
+def _peak_only(fn: Fn, x: Tensor) -> Tuple[float, Peaks]:
+    val, by_dtype = intermediate_peaks(fn, x.detach())
+    return val, _named(by_dtype)
+
+
+def _named(by_dtype: Dict[torch.dtype, float]) -> Peaks:
+    """Per-dtype peaks keyed by the dtype's canonical name (dtypes certblocks has no name for are left out)."""
+    out: Peaks = {}
+    for dt, v in by_dtype.items():
+        try:
+            name = dtype_name(dt)
+        except (TypeError, ValueError):
+            continue
+        out[name] = max(out.get(name, 0.0), v)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ graph path
@@ -419,6 +437,16 @@ def subgraph_fn(g: Any, env: Dict[str, Any], start: torch.fx.Node, end: torch.fx
 def _graph_peak(g: Any, names: set, skip: str) -> float:
     vals = [_abs_max(g.env.get(n)) for n in names if n != skip]
     return max(vals, default=0.0)
+
+
+def _graph_peaks(g: Any, names: set, skip: str) -> Peaks:
+    """:func:`_graph_peak` per dtype."""
+    by_dtype: Dict[torch.dtype, float] = {}
+    for n in names:
+        v = g.env.get(n)
+        if n != skip and isinstance(v, Tensor) and v.is_floating_point() and v.numel():
+            by_dtype[v.dtype] = max(by_dtype.get(v.dtype, 0.0), _abs_max(v))
+    return _named(by_dtype)
 
 
 def _graph_logit(g: Any, names: set, samples: int) -> Optional[float]:
@@ -499,11 +527,13 @@ def graph_steps(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
     notes = list(chain.notes)
     steps: List[Step] = []
     stem_peak, input_norm = 0.0, None
+    stem_peaks: Peaks = {}
     head_seg = None
     used: Dict[str, int] = {}
     for k, seg in enumerate(chain.segments):
         if seg.kind == "stem":
             stem_peak = _graph_peak(g, g.between(seg.start, seg.end), seg.start.name)
+            stem_peaks = _graph_peaks(g, g.between(seg.start, seg.end), seg.start.name)
             continue
         if seg.kind == "head":
             head_seg = seg
@@ -525,12 +555,13 @@ def graph_steps(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
             except Exception as exc:  # a segment the tracer cannot certify: no certified factor, say why
                 notes.append(f"{name}: no certificate ({type(exc).__name__}: {exc})")
         peak_val = _graph_peak(g, names, seg.start.name)
+        peaks = _graph_peaks(g, names, seg.start.name)
         logit = _graph_logit(g, names, logit_samples)
         attn = _graph_attention(g, names)
         steps.append(Step(name, "update" if seg.kind == "update" else seg.kind, x, subgraph_fn(g, env, seg.start, end),
                           token_norm_max(env[seg.end.name]), dt=1.0 if seg.kind == "update" else 0.0,
                           fn64=subgraph_fn(g, env, seg.start, end, f64=True), cert=cert,
-                          peak=lambda p=peak_val, lg=logit: (p, lg),
+                          peak=lambda p=peak_val, lg=logit, ps=peaks: (p, lg, ps),
                           kappa=None if attn is None else (lambda a=attn: attention_kappa(a)[0]), key=name))
     if not steps:
         raise ValueError(f"{type(model).__name__}: the chain has no residual update")
@@ -545,14 +576,16 @@ def graph_steps(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
     lg = float(getattr(model, "loss_gradient", 1.0)) if loss_gradient is None else float(loss_gradient)
     if main is None and scalar is None:
         raise ValueError(f"no floating-point output of {type(model).__name__} depends on its last state")
+    head_names: set = set()
     if main is not None and main is not xd_node:
         out_fn = subgraph_fn(g, env, xd_node, main)
-        head_peak = _graph_peak(g, g.between(xd_node, main), xd_node.name)
+        head_names |= set(g.between(xd_node, main))
     else:
-        out_fn, head_peak = (lambda x: x), 0.0
+        out_fn = lambda x: x  # noqa: E731
     if scalar is not None:
-        head_peak = max(head_peak, _graph_peak(g, g.between(xd_node, scalar), xd_node.name))
-    hp = lambda v=head_peak: v
+        head_names |= set(g.between(xd_node, scalar))
+    head_peak, head_peaks = _graph_peak(g, head_names, xd_node.name), _graph_peaks(g, head_names, xd_node.name)
+    hp = lambda v=head_peak, ps=head_peaks: (v, ps)
     if loss is not None:
         head = Head(x_d, loss_fn=lambda x: loss(out_fn(x)), peak=hp, detail="the loss's gradient at X_D (autograd)")
     elif scalar is not None:
@@ -568,4 +601,4 @@ def graph_steps(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
         head = Head(x_d, fn=out_fn, loss_gradient=lg, cert=hcert, peak=hp,
                     fn64=None if main is xd_node else subgraph_fn(g, env, xd_node, main, f64=True),
                     detail=f"||DG(X_D)|| (Lanczos) x loss gradient bound {lg:.4g}")
-    return Source(steps, head, input_norm or 0.0, stem_peak=stem_peak, notes=notes)
+    return Source(steps, head, input_norm or 0.0, stem_peak=stem_peak, notes=notes, stem_peaks=stem_peaks)

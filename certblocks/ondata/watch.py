@@ -117,6 +117,7 @@ class OnDataWatch:
             "data/log_grad_bound": rep.log_gradient_bound,
             "data/log_grad_bound_certified": _num(rep.log_gradient_bound_certified),
             "data/headroom_measured": _num(rep.headroom_measured),
+            "data/forward_headroom_measured": rep.forward_headroom_measured,
             "data/backward_headroom_measured": _num(rep.backward_headroom_measured),
             "data/log_grad_measured": _num(rep.log_gradient_measured),
             "data/forward_max": rep.forward_max, "data/head_norm": rep.head.norm, "data/head_source": rep.head.source,
@@ -141,11 +142,12 @@ class OnDataWatch:
         cause = self._cause(rep, name, qty, nats)
         backward = {"measured": rep.backward_headroom_measured,
                     "certified": rep.backward_headroom_certified}.get(used, rep.backward_headroom)
+        forward = rep.forward_headroom_measured if used == "measured" else rep.forward_headroom
         if self.threshold is not None and (math.isnan(h) or h < self.threshold):
             out.append({"step": step, "update": name, "quantity": "headroom", "cause": qty, "value": h,
                         "threshold": self.threshold, "basis": used,
                         "message": f"step {step}: on-data headroom {h:.4g} nats below {self.threshold:g} "
-                                   f"({rep.dtype}, {used}: forward {rep.forward_headroom:.4g}, backward "
+                                   f"({rep.dtype}, {used}: forward {forward:.4g}, backward "
                                    f"{backward:.4g}): {cause}"})
         if self.horizon is not None and len(self.history) >= 3 and math.isfinite(h):
             zero = self._zero_step()

@@ -6,6 +6,7 @@ Python function one call.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
@@ -30,6 +31,7 @@ class _Recorder(TorchFunctionMode):
         self.reach: Dict[Any, bool] = {}  # autograd node -> whether it reaches x
         self.values: List[Tensor] = []  # one scalar per recorded tensor
         self.samples: List[Tensor] = []  # (B,) per recorded tensor whose first dimension is the batch
+        self.dtypes: List[torch.dtype] = []  # the dtype of each recorded tensor (aligned with values)
 
     def __enter__(self) -> _Recorder:
         _Recorder.active.append(self)
@@ -69,6 +71,7 @@ class _Recorder(TorchFunctionMode):
                     self.values.append(self.samples[-1].amax())
                 else:
                     self.values.append(a.amax())
+                self.dtypes.append(t.dtype)
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -110,6 +113,21 @@ def _record(f: Velocity, x: Tensor) -> Tuple[Tensor, Tensor]:
     zero = torch.zeros((), dtype=torch.float64, device=x.device)
     total = torch.stack(mode.values).amax() if mode.values else zero
     return total, torch.stack(mode.samples).amax(dim=0) if mode.samples else zero.expand(x.shape[0])
+
+
+def intermediate_peaks(f: Velocity, x: Tensor) -> Tuple[float, Dict[torch.dtype, float]]:
+    """:func:`largest_intermediate` as a float, and the largest ``|entry|`` per dtype of the recorded tensors (under
+    autocast a float32 residual stream and float16 matmul outputs are told apart); NaN counts as ``inf``."""
+    if not x.requires_grad:
+        x = x.detach().requires_grad_(True)
+    with torch.enable_grad(), _Recorder(x) as mode:
+        mode.record(f(x))
+    by_dtype: Dict[torch.dtype, float] = {}
+    for v, dt in zip(mode.values, mode.dtypes):
+        val = float(v.detach())
+        val = math.inf if math.isnan(val) else val
+        by_dtype[dt] = max(by_dtype.get(dt, 0.0), val)
+    return max(by_dtype.values(), default=0.0), by_dtype
 
 
 def largest_intermediate(f: Velocity, x: Tensor) -> Tensor:

@@ -55,6 +55,7 @@ def test_headroom_negative_exactly_when_float16_overflows(g: float, depth: int) 
         over = _overflows(model, _batch(scale), LOSS)
         assert (rep.headroom < 0) == over, (g, depth, scale, rep.headroom, over)
         assert (rep.headroom_certified < 0) == over
+        assert (rep.headroom_measured < 0) == over, (g, depth, scale, rep.headroom_measured, over)
         seen[over] += 1
         if not over:  # (T) is exact here: the bound is the actual gradient g^D, the forward the largest entry
             assert rep.log_gradient_bound == pytest.approx(depth * math.log(g), rel=1e-3)
@@ -90,3 +91,55 @@ def test_real_model_overflowing_in_float16_has_negative_headroom() -> None:
         assert (not torch.isfinite(y).all()) == expect_over
         assert (rep.headroom < 0) == expect_over, (expect_over, rep.headroom)
     assert rep.worst()[1] in ("state norm", "logits", "intermediate")
+
+
+def _prenorm_stack(gain: float) -> certblocks.CertifiedStack:
+    """Pre-LN MLP updates; ``gain`` scales the last linear layer of each (a large one overflows float16)."""
+    from certblocks.zoo._layers import NormedUpdate
+
+    from certblocks.blocks import MLP
+
+    torch.manual_seed(0)
+    blocks = [NormedUpdate(MLP(8, 16), 8, "layer") for _ in range(3)]
+    with torch.no_grad():
+        for b in blocks:
+            b.branch.fc2.weight.mul_(gain)
+    return certblocks.build_stack(blocks, "fp16", certify=False).eval()
+
+
+def _autocast_run_overflows(model: torch.nn.Module, x: torch.Tensor) -> bool:
+    """Under float16 CPU autocast: does any tensor the forward computes, or the input's gradient, reach inf/NaN?"""
+    from certblocks.testing.record import intermediate_peaks
+
+    x = x.detach().clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        peak, _ = intermediate_peaks(model, x)
+        y = model(x)
+    (g,) = torch.autograd.grad(y.float().sum(), x)
+    return not (math.isfinite(peak) and torch.isfinite(g).all())
+
+
+def test_measured_forward_headroom_reads_each_tensor_in_its_own_dtype_under_autocast() -> None:
+    """A float32 residual stream far above 65504 under float16 autocast does not overflow: the measured headroom
+    (entries against their own dtype) says so; the estimate (every state norm against float16's M) does not, and
+    a run asked about float16 without autocast (nothing ran in float16) counts every tensor against 65504."""
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0)) * 1e6  # float32 states ~1e6
+    loss = lambda y: y.float().sum()  # noqa: E731
+    safe = _prenorm_stack(1.0)
+    with torch.autocast("cpu", dtype=torch.float16):
+        rep = certblocks.trajectory(safe, x, "fp16", loss=loss)
+    assert not _autocast_run_overflows(safe, x)
+    assert rep.forward_headroom < 0 < rep.forward_headroom_measured and rep.headroom_measured > 0
+    items = rep.measured_forward_items()
+    assert {q for _, _, q, _ in items} >= {"state", "intermediate"}
+    states = [h for h, where, q, _ in items if q == "state"]
+    assert min(states) > math.log(float(torch.finfo(torch.float32).max)) - math.log(1e8)  # judged as float32
+    hypothetical = certblocks.trajectory(safe, x, "fp16", loss=loss)  # float32 run asked about float16
+    assert hypothetical.forward_headroom_measured < 0
+    # the same stack with a float16 matmul output past 65504: the run overflows, the measured headroom is negative
+    hot = _prenorm_stack(1e6)
+    with torch.autocast("cpu", dtype=torch.float16):
+        rep_hot = certblocks.trajectory(hot, x, "fp16", loss=loss)
+    assert _autocast_run_overflows(hot, x)
+    assert rep_hot.forward_headroom_measured < 0 and rep_hot.headroom_measured < 0
+    assert rep_hot.worst("measured")[1] in ("intermediate", "state")
