@@ -45,7 +45,8 @@ BATCH_KEYS = ("/saturation", "/cosine", "/max_logit", "/state_norm", "/velocity_
               "/headroom", "/forward_headroom", "/backward_headroom", "/headroom_certified", "/log_grad_bound",
               "/log_grad_bound_certified", "/forward_max", "/head_norm", "/head_source", "/converged", "/worst_update",
               "/worst_quantity", "/jacobian_norm", "/jacobian_bound", "/jacobian_steps", "/peak", "/data_log_factor",
-              "/data_state_norm", "/data_max_logit")
+              "/data_state_norm", "/data_max_logit", "/alert_headroom", "/alert_basis", "/headroom_measured",
+              "/forward_headroom_measured", "/backward_headroom_measured", "/log_grad_measured", "/data_costate_norm")
 
 
 def _free_port() -> int:
