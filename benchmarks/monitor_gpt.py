@@ -237,7 +237,7 @@ def plot(results: List[Dict[str, Any]], args: argparse.Namespace) -> None:
     ax[1].legend()
     ax[2].axhline(1.0, ls="--", color="gray", lw=0.8)
     ax[2].set_xlabel("step")
-    ax[2].set_title("on-data headroom, nats (dashed: the (T) estimate; gray: threshold; dotted: non-finite)",
+    ax[2].set_title("on-data headroom, nats (solid: alerts' basis; dashed: (T) estimate; dotted: non-finite)",
                     fontsize=9)
     ax[2].legend()
     fig.tight_layout()
