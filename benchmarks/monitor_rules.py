@@ -55,19 +55,14 @@ def _num(v: Optional[str]) -> Optional[float]:
 
 def replay(series: List[Tuple[int, Optional[float]]], *, threshold: Optional[float], horizon: Optional[int],
            window: int) -> List[int]:
-    """The checks (steps) at which the rule alerts, computed by the monitor's own :class:`OnDataWatch` logic."""
+    """The checks (steps) at which the rule alerts: :meth:`OnDataWatch.observe`, the monitor's own decision."""
     w = OnDataWatch("fp16", threshold=threshold, horizon=horizon, window=window, steps=1, tol=0.0, logit_samples=1)
     steps = []
     for step, h in series:
         if h is None:
             continue
-        w.history.append((step, h))
-        w.history = w.history[-window:]
-        hit = threshold is not None and h < threshold
-        if not hit and horizon is not None and len(w.history) >= 3 and math.isfinite(h):
-            zero = w._zero_step()
-            hit = zero is not None and zero - step <= horizon
-        if hit:
+        below, zero = w.observe(step, h)
+        if below or zero is not None:
             steps.append(step)
     return steps
 

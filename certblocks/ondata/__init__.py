@@ -7,8 +7,9 @@ The worst-case certificate holds for every input in a ball and is far above what
 
 with the forward side (largest state norm and intermediate), and reports the headroom to the dtype's largest
 finite value in nats.  Layout: :mod:`.power` (Lanczos estimates from below, dense certified bounds),
-:mod:`.sources` (the states and segments of a model on the batch: its own updates, or its graph),
-:mod:`.report` (the figures), :mod:`.api` (``trajectory``).
+:mod:`.sources` (the states and segments of a model on the batch from its own updates), :mod:`.graph` (the
+same from its captured graph), :mod:`.report` (the figures), :mod:`.api` (``trajectory``), :mod:`.watch` (the
+monitor's on-data checks and alerts).
 """
 
 from .api import trajectory

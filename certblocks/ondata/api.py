@@ -12,9 +12,10 @@ from torch import Tensor, nn
 
 from .._validation import check_int
 from ..budget import dtype_name, float_max
+from .graph import graph_steps
 from .power import LinearizedMap, dense_jacobian_norm, jacobian_spectral_norm
 from .report import HeadTrajectory, TrajectoryReport, UpdateTrajectory
-from .sources import Head, Source, Step, graph_steps, module_steps, token_norm_max, tokens_of
+from .sources import Head, Source, Step, module_steps, token_norm_max, tokens_of
 
 __all__ = ["trajectory", "trajectory_of_call", "evaluate", "costate_norms", "unwrap", "as_args", "eval_mode"]
 

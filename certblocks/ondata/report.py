@@ -281,14 +281,22 @@ class TrajectoryReport:
         b = self.backward_headroom_measured
         return None if b is None else min(self.forward_headroom_measured, b)
 
-    def headroom_on(self, basis: str) -> Tuple[float, str]:
-        """``(headroom, basis used)`` on ``basis``: ``"measured"`` (falls back to ``"estimate"`` without measured
-        costates), ``"estimate"`` (:attr:`headroom`) or ``"certified"`` (falls back to ``"estimate"`` without
-        certified factors)."""
+    def sides_on(self, basis: str) -> Tuple[float, float, str]:
+        """``(forward headroom, backward headroom, basis used)`` on ``basis``: ``"measured"`` (both sides as the
+        batch ran; falls back to ``"estimate"`` without measured costates), ``"estimate"`` or ``"certified"``
+        (the certified backward bound; falls back to ``"estimate"`` without certified factors)."""
         if basis not in BASES:
             raise ValueError(f"basis must be one of {', '.join(map(repr, BASES))}, got {basis!r}")
-        value = {"measured": self.headroom_measured, "certified": self.headroom_certified}.get(basis)
-        return (self.headroom, "estimate") if value is None else (value, basis)
+        if basis == "measured" and self.backward_headroom_measured is not None:
+            return self.forward_headroom_measured, self.backward_headroom_measured, "measured"
+        if basis == "certified" and self.backward_headroom_certified is not None:
+            return self.forward_headroom, self.backward_headroom_certified, "certified"
+        return self.forward_headroom, self.backward_headroom, "estimate"
+
+    def headroom_on(self, basis: str) -> Tuple[float, str]:
+        """``(headroom, basis used)`` on ``basis`` (:meth:`sides_on`): the smaller side."""
+        forward, backward, used = self.sides_on(basis)
+        return min(forward, backward), used
 
     @property
     def ok(self) -> bool:
@@ -309,10 +317,8 @@ class TrajectoryReport:
         ``"measured"`` basis the segment across which the measured costate grows most (``"gradient growth"``,
         ``log ||p_k|| - log ||p_{k+1}||``).
         """
-        _, used = self.headroom_on(basis)
-        backward = {"measured": self.backward_headroom_measured,
-                    "certified": self.backward_headroom_certified}.get(used, self.backward_headroom)
-        if used == "measured" and self.forward_headroom_measured <= backward:  # type: ignore[operator]
+        forward, backward, used = self.sides_on(basis)
+        if used == "measured" and forward <= backward:
             _, name, qty, value = min(self.measured_forward_items(), key=lambda c: c[0])
             return name, qty, _log(value)
         if used == "measured":
@@ -322,7 +328,7 @@ class TrajectoryReport:
             growth.append((_log(self.head.norm), "head", "head"))
             val3, name, qty = max(growth, key=lambda c: -math.inf if math.isnan(c[0]) else c[0])
             return name, qty, val3
-        if self.forward_headroom <= backward:  # type: ignore[operator]
+        if forward <= backward:
             cands = [(u.forward_max, u.name, self._fwd_quantity(u)) for u in self.updates]
             cands.append((max(self.head.state_norm, self.head.peak), "head",
                           "state norm" if self.head.state_norm >= self.head.peak else "logits"))

@@ -134,30 +134,37 @@ class OnDataWatch:
     def alerts(self, step: int, rep: TrajectoryReport) -> List[Dict[str, Any]]:
         """The on-data alerts of this check (threshold, then trend), each a monitor alert dict; they read the
         headroom on :attr:`basis`."""
-        h, used = rep.headroom_on(self.basis)
-        self.history.append((step, h))
-        self.history = self.history[-self.window:]
+        forward, backward, used = rep.sides_on(self.basis)
+        h = min(forward, backward)
+        below, zero = self.observe(step, h)
         out = []
         name, qty, nats = rep.worst(used)
         cause = self._cause(rep, name, qty, nats)
-        backward = {"measured": rep.backward_headroom_measured,
-                    "certified": rep.backward_headroom_certified}.get(used, rep.backward_headroom)
-        forward = rep.forward_headroom_measured if used == "measured" else rep.forward_headroom
-        if self.threshold is not None and (math.isnan(h) or h < self.threshold):
+        if below:
             out.append({"step": step, "update": name, "quantity": "headroom", "cause": qty, "value": h,
                         "threshold": self.threshold, "basis": used,
                         "message": f"step {step}: on-data headroom {h:.4g} nats below {self.threshold:g} "
                                    f"({rep.dtype}, {used}: forward {forward:.4g}, backward "
                                    f"{backward:.4g}): {cause}"})
-        if self.horizon is not None and len(self.history) >= 3 and math.isfinite(h):
-            zero = self._zero_step()
-            if zero is not None and zero - step <= self.horizon:
-                out.append({"step": step, "update": name, "quantity": "headroom trend", "cause": qty, "value": h,
-                            "threshold": float(self.horizon), "basis": used,
-                            "message": f"step {step}: on-data headroom {h:.4g} nats falls by "
-                                       f"{-self._slope():.3g} nats/step and reaches 0 near step {zero:.0f}, within "
-                                       f"the horizon {self.horizon} ({rep.dtype}, {used}): {cause}"})
+        if zero is not None:
+            out.append({"step": step, "update": name, "quantity": "headroom trend", "cause": qty, "value": h,
+                        "threshold": float(self.horizon), "basis": used,
+                        "message": f"step {step}: on-data headroom {h:.4g} nats falls by "
+                                   f"{-self._slope():.3g} nats/step and reaches 0 near step {zero:.0f}, within "
+                                   f"the horizon {self.horizon} ({rep.dtype}, {used}): {cause}"})
         return out
+
+    def observe(self, step: int, h: float) -> Tuple[bool, Optional[float]]:
+        """Add the headroom ``h`` of ``step`` to the trend and decide: ``(below the threshold, the step the trend
+        reaches 0 when that is within the horizon, else None)``."""
+        self.history.append((step, h))
+        self.history = self.history[-self.window:]
+        below = self.threshold is not None and (math.isnan(h) or h < self.threshold)
+        zero = None
+        if self.horizon is not None and len(self.history) >= 3 and math.isfinite(h):
+            z = self._zero_step()
+            zero = z if z is not None and z - step <= self.horizon else None
+        return below, zero
 
     def _slope(self) -> float:
         pts = [(s, h) for s, h in self.history if math.isfinite(h)]

@@ -103,13 +103,19 @@ def as_atom(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
-def _record(f: Velocity, x: Tensor) -> Tuple[Tensor, Tensor]:
-    """The largest ``|entry|`` computed from ``x`` (scalar) and a per-sample estimate ``(B,)`` that reads the
-    recorded tensors whose first dimension is the batch (it ranks the draws and drives every ascent)."""
+def _run(f: Velocity, x: Tensor) -> Tuple[_Recorder, Tensor]:
+    """``f(x)`` under a recorder (``x`` made to require grad so that dependence is seen): the recorder and ``x``."""
     if not x.requires_grad:
         x = x.detach().requires_grad_(True)
     with torch.enable_grad(), _Recorder(x) as mode:
         mode.record(f(x))
+    return mode, x
+
+
+def _record(f: Velocity, x: Tensor) -> Tuple[Tensor, Tensor]:
+    """The largest ``|entry|`` computed from ``x`` (scalar) and a per-sample estimate ``(B,)`` that reads the
+    recorded tensors whose first dimension is the batch (it ranks the draws and drives every ascent)."""
+    mode, x = _run(f, x)
     zero = torch.zeros((), dtype=torch.float64, device=x.device)
     total = torch.stack(mode.values).amax() if mode.values else zero
     return total, torch.stack(mode.samples).amax(dim=0) if mode.samples else zero.expand(x.shape[0])
@@ -118,10 +124,7 @@ def _record(f: Velocity, x: Tensor) -> Tuple[Tensor, Tensor]:
 def intermediate_peaks(f: Velocity, x: Tensor) -> Tuple[float, Dict[torch.dtype, float]]:
     """:func:`largest_intermediate` as a float, and the largest ``|entry|`` per dtype of the recorded tensors (under
     autocast a float32 residual stream and float16 matmul outputs are told apart); NaN counts as ``inf``."""
-    if not x.requires_grad:
-        x = x.detach().requires_grad_(True)
-    with torch.enable_grad(), _Recorder(x) as mode:
-        mode.record(f(x))
+    mode, _ = _run(f, x)
     by_dtype: Dict[torch.dtype, float] = {}
     for v, dt in zip(mode.values, mode.dtypes):
         val = float(v.detach())
