@@ -23,11 +23,15 @@ start state), the entering state folded into the first step; the adjoint ``lam_t
 is a forward scan of the time-flipped pairs (a_{t+1}, C_t dy_t) (``reverse=True`` would flip the lanes with
 shuffles), ``a_{t+1}`` built from the inputs one step later, the later block's adjoint folded into the last step
 and carried between blocks through a ``(batch, dim, dstate)`` float32 buffer (the size of one state).
-``h_t - b_t = a_t h_{t-1}`` gives the decay gradient.  ``dB``/``dC`` accumulate over the program's channel blocks
-elementwise in registers, are summed over the block's channels once per step block and written as per-program
-partials, summed afterwards in torch in a fixed order (deterministic, no atomics); ``dA``, ``dD``,
+``h_t - b_t = a_t h_{t-1}`` gives the decay gradient.  ``dB``/``dC`` accumulate over the program's channel
+blocks elementwise in registers, are summed over the block's channels once per step block and written as
+per-program partials, summed afterwards in torch in a fixed order (deterministic, no atomics); ``dA``, ``dD``,
 ``ddelta_bias`` are per-batch partials accumulated by their program and summed afterwards.  ``du``, ``ddelta``,
-``dz`` are written in the inputs' dtypes.  On a GPU the softplus uses ``lg2.approx`` (``FAST``).
+``dz`` are written in the inputs' dtypes.  On a GPU the softplus uses ``lg2.approx`` (``FAST``).  More than
+``BWD_STATES`` (16) states: the grid's third axis runs over tiles of 16 states, each program as at dstate 16
+(64 states in one program spilled registers); ``du``, ``ddelta``, ``dz``, ``ddelta_bias`` (sums over the
+states) are then float32 per-tile partials summed afterwards in the same fixed order, the terms in ``D`` and
+``dD`` from the first tile.
 
 ``cu_seqlens``: turned on the device (``torch.searchsorted``, no host sync) into a per-step sequence
 index ``seq``; the kernels read it: the decay is zeroed where ``seq`` changes (the state restarts from
@@ -50,6 +54,7 @@ _GATES = {None: 0, "silu": 1, "sigmoid": 2}
 LOG2E = 1.4426950408889634
 FWD_TILE = 8192  # elements of one (T, BLOCK_D, BLOCK_N) tile of the forward
 BWD_CHANNELS = 64  # channels of one backward program (dB / dC reduced over them in the program)
+BWD_STATES = 16  # states of one backward program (more states: programs over state tiles, their sums partials)
 
 
 @triton.jit
@@ -237,20 +242,46 @@ def _scan_bwd_kernel(
     s_Bb, s_Bg, s_Bn, s_Bl,
     s_Cb, s_Cg, s_Cn, s_Cl,
     T: tl.constexpr, BT: tl.constexpr, BLOCK_D: tl.constexpr, NP: tl.constexpr, NL: tl.constexpr,
-    NSUB: tl.constexpr,
+    NSUB: tl.constexpr, NT: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     GATE: tl.constexpr, HAS_RESET: tl.constexpr, HAS_DLAST: tl.constexpr, FAST: tl.constexpr,
 ):
-    # tiles (BT, NP, BLOCK_D, NL): state n = p * NL + l; steps and the NP states of a lane in one thread
+    # tiles (BT, NP, BLOCK_D, NL): state n = p * NL + l of the program's state tile; steps and the NP states of
+    # a lane in one thread
     pid_b = tl.program_id(0).to(tl.int64)
     nb = tl.num_programs(0)
     pid_p = tl.program_id(1)
+    if NT > 1:
+        # state tile pid_k: the per-state arrays from its first state (the offsets in the loop are the tile's);
+        # du, ddelta, dz, ddelta_bias are per-tile partials (NT, batch, ...)
+        pid_k = tl.program_id(2)
+        n0 = pid_k * NP * NL
+        A_ptr += n0
+        B_ptr += n0 * s_Bn
+        C_ptr += n0 * s_Cn
+        dlast_ptr += n0
+        ckpt_ptr += n0
+        lamc_ptr += n0
+        dA_ptr += n0
+        dBp_ptr += n0.to(tl.int64) * L
+        dCp_ptr += n0.to(tl.int64) * L
+        part = pid_k.to(tl.int64) * nb * DIM
+        du_ptr += part * L
+        ddelta_ptr += part * L
+        dz_ptr += part * L
+        dbias_ptr += part
+    else:
+        pid_k = 0
+        n0 = 0
+    # the state tile that adds the terms not summed over the states (D u, dy D) and writes dD (the tiles run
+    # concurrently: one writer)
+    k0 = pid_k == 0
     R: tl.constexpr = T // BT  # backward steps per forward checkpoint interval
     offs_t = tl.arange(0, BT)
     first = (offs_t == 0)[:, None, None, None]
     lastt = (offs_t == BT - 1)[:, None, None, None]
     offs_n = tl.arange(0, NP)[:, None] * NL + tl.arange(0, NL)[None, :]  # (NP, NL)
-    mask_n = offs_n < N
+    mask_n = offs_n < N - n0
     g = ((pid_p * NSUB * BLOCK_D) // H).to(tl.int64)  # a program never straddles two groups
     Bp = B_ptr + pid_b * s_Bb + g * s_Bg  # scalar bases; per-state offsets are built in the loop
     Cp = C_ptr + pid_b * s_Cb + g * s_Cg
@@ -283,7 +314,7 @@ def _scan_bwd_kernel(
             mask_dn = mask_d[None, :, None] & mask_n[:, None, :]
             A4 = tl.load(A_ptr + dn, mask=mask_dn, other=0.0).to(tl.float32)[None]
             A2 = A4 * 1.4426950408889634
-            Dv = tl.load(D_ptr + offs_d, mask=mask_d & HAS_D, other=0.0).to(tl.float32)
+            Dv = tl.load(D_ptr + offs_d, mask=mask_d & HAS_D & k0, other=0.0).to(tl.float32)
             bias = tl.load(bias_ptr + offs_d, mask=mask_d & HAS_BIAS, other=0.0).to(tl.float32)
             u_row = u_ptr + pid_b * s_ub + d64 * s_ud
             t_row = delta_ptr + pid_b * s_tb + d64 * s_td
@@ -372,7 +403,7 @@ def _scan_bwd_kernel(
             du = ddtu * dt
             if HAS_D:
                 du += dy * Dv[None, :]
-                _accumulate(dD_ptr + pid_b * DIM + offs_d, tl.sum(dy * uu, axis=0), mask_d, cr > 0)
+                _accumulate(dD_ptr + pid_b * DIM + offs_d, tl.sum(dy * uu, axis=0), mask_d & k0, cr > 0)
             if SOFTPLUS:
                 ddt = ddt * _sigmoid_fast(raw)
             ddt = tl.where(m_dt, ddt, 0.0)
@@ -455,14 +486,17 @@ def bwd_config(H: int, N: int, chunk: int) -> dict:
     """Constexprs and ``num_warps`` of the backward for ``H`` channels a group, ``N`` states, forward chunk
     ``chunk``.  Tiles ``(BT, NP, BLOCK_D, NL)``: the state n = p * NL + l, NL states on lanes, NP states and BT
     steps in a thread, BLOCK_D channels on the other lanes and the warps (the per-channel tiles ``(BT, BLOCK_D)``
-    then hold one element a thread, which keeps their math out of the broadcast layout).  dstate <= 16: 8 steps,
-    8 state lanes, 2 warps; larger: 16 steps, 32 state lanes, 1 warp.  ``NSUB`` blocks make one program's
-    ``BWD_CHANNELS`` channels (dB / dC summed over them in registers)."""
+    then hold one element a thread, which keeps their math out of the broadcast layout): 8 steps, up to 8 state
+    lanes, 2 warps.  ``NSUB`` blocks make one program's ``BWD_CHANNELS`` channels (dB / dC summed over them in
+    registers).  dstate > ``BWD_STATES``: ``NT`` programs over tiles of ``BWD_STATES`` states (a program's
+    registers then hold no more than at dstate 16; at 64 states in one program the tiles spilled)."""
     BN = triton.next_power_of_2(N)
-    NL, BT, warps = (min(BN, 8), 8, 2) if BN <= 16 else (32, 16, 1)
-    BD = _block_d(H, max(1, 32 * warps // NL))
+    NT = triton.cdiv(N, BWD_STATES) if BN > BWD_STATES else 1
+    NL = min(BN, 8)
+    BD = _block_d(H, max(1, 64 // NL))
     per_prog = _block_d(H, max(BD, BWD_CHANNELS))
-    return dict(BT=min(BT, chunk), BLOCK_D=BD, NP=BN // NL, NL=NL, NSUB=per_prog // BD, num_warps=warps)
+    return dict(BT=min(8, chunk), BLOCK_D=BD, NP=min(BN, BWD_STATES) // NL, NL=NL, NSUB=per_prog // BD, NT=NT,
+                num_warps=2)
 
 
 def seq_index(cu_seqlens: Optional[torch.Tensor], L: int, device: torch.device) -> Optional[torch.Tensor]:
@@ -533,18 +567,23 @@ def scan_bwd(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, g
     # every element below is written by the kernel (when L > 0)
     new = torch.empty if L > 0 else torch.zeros
     lamc = torch.empty((batch, dim, N), **f32)  # the adjoint carried from one chunk to the one before
-    du = torch.empty((batch, dim, L), device=dev, dtype=u.dtype)
-    ddelta = torch.empty((batch, dim, L), device=dev, dtype=delta.dtype)
-    dz = torch.empty((batch, dim, L), device=dev, dtype=z.dtype) if z is not None else None
+    NT = cfg["NT"]
+    if NT == 1:
+        du = torch.empty((batch, dim, L), device=dev, dtype=u.dtype)
+        ddelta = torch.empty((batch, dim, L), device=dev, dtype=delta.dtype)
+        dz = torch.empty((batch, dim, L), device=dev, dtype=z.dtype) if z is not None else None
+    else:  # per-state-tile float32 partials, summed below in a fixed order
+        du, ddelta = new((NT, batch, dim, L), **f32), new((NT, batch, dim, L), **f32)
+        dz = new((NT, batch, dim, L), **f32) if z is not None else None
     dA = new((batch, dim, N), **f32)
     dD = new((batch, dim), **f32)
-    dbias = new((batch, dim), **f32)
+    dbias = new((NT * batch, dim), **f32)
     dBp = torch.empty((batch, nprog, N, L), **f32)
     dCp = torch.empty((batch, nprog, N, L), **f32)
     if L > 0:
         seq = seq_index(cu_seqlens, L, dev)
         with _on(dev):
-            _scan_bwd_kernel[(batch, nprog)](
+            _scan_bwd_kernel[(batch, nprog, NT)](
                 u, delta, A, B, C, _opt(D, u), _opt(z, u), _opt(delta_bias, u), _opt(seq, u),
                 dout, _opt(dlast.contiguous() if dlast is not None else None, u), ckpt, lamc,  # (batch, dim, N)
                 du, ddelta, _opt(dz, du), dA, dD, dbias, dBp, dCp,
@@ -555,6 +594,9 @@ def scan_bwd(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, g
                 SOFTPLUS=delta_softplus, GATE=_GATES[gate], HAS_RESET=seq is not None, HAS_DLAST=dlast is not None,
                 FAST=dev.type == "cuda", num_warps=warps,
             )
+    if NT > 1:
+        du, ddelta = du.sum(0).to(u.dtype), ddelta.sum(0).to(delta.dtype)
+        dz = dz.sum(0).to(z.dtype) if z is not None else None
     dB = dBp.view(batch, G, nprog // G, N, L).sum(2)
     dC = dCp.view(batch, G, nprog // G, N, L).sum(2)
     return (

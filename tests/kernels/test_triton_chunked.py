@@ -146,3 +146,40 @@ def test_decode_permuted_inputs():
     got = selective_state_update(s_got, x.to(DEV), dt.to(DEV), z=z.to(DEV), **dev_args, backend="triton")
     torch.testing.assert_close(got.cpu(), want, rtol=6e-4, atol=2e-3)
     torch.testing.assert_close(s_got.cpu(), s_ref, rtol=6e-4, atol=2e-3)
+
+
+@pytest.mark.parametrize(
+    "dstate, seqlen, opts",
+    [
+        (17, K + 5, {}),  # two state tiles, the second of one state
+        (40, 2 * K + 3, dict(has_D=False, ngroups=2)),  # three tiles, the last half full; no D
+        (33, K - 3, dict(has_z=False, has_bias=False)),  # no gate: no dz partials; no ddelta_bias
+    ],
+)
+def test_backward_state_tiles(scan_tools, dstate, seqlen, opts):
+    """dstate > 16: programs over tiles of 16 states; du, ddelta, dz, ddelta_bias summed from per-tile partials
+    (D u, dy D and dD added by the first tile only); N not a multiple of the tile."""
+    from certblocks.kernels.triton_scan import bwd_config
+
+    assert bwd_config(4, dstate, K)["NT"] == -(-dstate // 16)
+    x = scan_tools.make_inputs(batch=2, dim=4, dstate=dstate, seqlen=seqlen, seed=dstate, **opts)
+    got = _cpu(scan_tools.run(scan_tools.backend("triton"), _to(x), delta_softplus=True))
+    want = scan_tools.run(selective_scan_reference, x, delta_softplus=True)
+    scan_tools.assert_close(got, want, torch.float32, f"triton vs reference (N={dstate}, state tiles)")
+    again = _cpu(scan_tools.run(scan_tools.backend("triton"), _to(x), delta_softplus=True))
+    for k in got:
+        assert torch.equal(got[k], again[k]), k
+
+
+def test_backward_state_tiles_cu_seqlens_bf16(scan_tools):
+    """State tiles with packed sequences (the final-state gradient read per tile) and bf16 outputs cast from
+    the float32 partials."""
+    L = K + 9
+    cu = torch.tensor([0, 1, 1, 30, L])
+    x = scan_tools.make_inputs(batch=1, dim=4, dstate=24, seqlen=L, ngroups=2, dtype=torch.bfloat16, seed=3)
+    got = _cpu(scan_tools.run(scan_tools.backend("triton"), _to(x), cu_seqlens=cu.to(DEV), delta_softplus=True))
+    want = scan_tools.run(selective_scan_reference, scan_tools.upcast(x), cu_seqlens=cu, delta_softplus=True,
+                          round_to=torch.bfloat16)
+    assert (got["du"].dtype, got["ddelta"].dtype, got["dz"].dtype) == (torch.bfloat16,) * 3
+    scan_tools.assert_close(got, want, torch.bfloat16, "triton vs reference (N=24, cu_seqlens, bf16)",
+                            check_dtype=False)
