@@ -140,7 +140,8 @@ def train(form: str, data: torch.Tensor, args: argparse.Namespace) -> Dict[str, 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup) if args.warmup else 1.0)
     every = args.every if form == "noln" else args.every_stable
     mon = CertificateMonitor(model.stack, args.amp, every=every, r0=model.stack.r0 if emb_cap else model.radius(),
-                             logit_samples=2, horizon=args.horizon, headroom_basis=args.basis)
+                             logit_samples=2, horizon=args.horizon, headroom_basis=args.basis,
+                             estimate_every=args.estimate_every or None)
     g = torch.Generator().manual_seed(args.seed)
     amp = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.amp]
     losses: List[float] = []
@@ -265,6 +266,9 @@ def main(argv: Any = None) -> Dict[str, Any]:
                    help="the monitor's trend alert: headroom reaching 0 within this many steps (default: off)")
     p.add_argument("--basis", default="measured", choices=["measured", "estimate", "certified"],
                    help="the headroom the on-data alerts read (CertificateMonitor's headroom_basis)")
+    p.add_argument("--estimate-every", type=int, default=1,
+                   help="Lanczos estimates at every this many checks (default 1: both bases recorded for "
+                        "monitor_rules.py; 0: only where the alert basis needs them, the monitor's default)")
     p.add_argument("--tag", default="", help="suffix of the output files (runs side by side)")
     args = p.parse_args(argv)
     if args.quick:

@@ -1,13 +1,17 @@
 """Cost of ``certblocks.trajectory`` in forward+backward passes of the same model on the same batch (CPU).
 
-Three kinds of model: a zoo GPT-2 given its targets (its own loss: the exact costate), a ``CertifiedStack`` of
-8 updates with a loss, and a Hugging Face GPT-2 through its graph (``torch.export`` included) with its labels.
-For each, the median time of a plain forward+backward, and the median time of a cold ``trajectory`` (no warm
-start) at ``steps`` Lanczos steps at most, default settings otherwise; the ratio is the cost in passes.
+Four models: a zoo GPT-2 given its targets (its own loss: the exact costate) at test size and at nanoGPT's
+"mini" size on bytes (6 layers, width 384, 8 x 128 tokens: compute-bound, the others are bound by per-call
+overhead), a ``CertifiedStack`` of 8 updates with a loss, and a Hugging Face GPT-2 through its graph
+(``torch.export`` included) with its labels.  For each, the median time of a plain forward+backward, and the
+median time of a cold ``trajectory`` (no warm start) per setting; the ratio is the cost in passes.  Settings:
+the default, ``certified=False``, ``steps=4`` and ``jacobians=False, certified=False`` (measured figures only).
+``--monitor``: the time of one ``CertificateMonitor`` check on the mini GPT in training against a training step,
+on the measured basis (the default: no Lanczos) and with ``estimate_every=1``.
 
 Usage::
 
-    python benchmarks/trajectory_cost.py [--repeats 5] [--threads 1]
+    python benchmarks/trajectory_cost.py [--repeats 5] [--threads 1] [--monitor] [--out FILE]
 """
 
 from __future__ import annotations
@@ -32,8 +36,22 @@ def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
-def cases() -> List[Tuple[str, torch.nn.Module, Any, Callable[[], None], Dict[str, Any]]]:
-    """``(name, model, batch, forward+backward, trajectory keywords)``."""
+def _mini() -> Tuple[torch.nn.Module, torch.Tensor]:
+    """nanoGPT's mini GPT-2 (6 layers, width 384) on a byte vocabulary, and a batch of 8 x 128 tokens."""
+    from certblocks.zoo import create_model
+
+    torch.manual_seed(0)
+    model = create_model("gpt2_qknorm_mini", vocab_size=256, block_size=128).eval()
+    return model, torch.randint(0, 256, (8, 128), generator=torch.Generator().manual_seed(0))
+
+
+SETTINGS: Dict[str, Dict[str, Any]] = {
+    "default": {}, "certified=False": {"certified": False}, "steps=4": {"steps": 4},
+    "jacobians=False": {"jacobians": False, "certified": False}}
+
+
+def cases(mini: bool = True) -> List[Tuple[str, torch.nn.Module, Any, Callable[[], None], Dict[str, Any]]]:
+    """``(name, model, batch, forward+backward, trajectory keywords)`` (``mini``: with the mini GPT)."""
     from certblocks.zoo import create_model
 
     import certblocks
@@ -48,6 +66,13 @@ def cases() -> List[Tuple[str, torch.nn.Module, Any, Callable[[], None], Dict[st
         gpt.zero_grad(set_to_none=True)
         gpt(idx, idx)[1].backward()
     out.append((f"zoo gpt2_qknorm_test, targets (4 x {gpt.block_size})", gpt, (idx, idx), gpt_fb, {}))
+    if mini:
+        big, big_idx = _mini()
+
+        def mini_fb() -> None:
+            big.zero_grad(set_to_none=True)
+            big(big_idx, big_idx)[1].backward()
+        out.append(("zoo gpt2_qknorm_mini on bytes, targets (8 x 128)", big, (big_idx, big_idx), mini_fb, {}))
 
     dim = 64
     blocks = [b for _ in range(2) for b in (Attention(dim, 4), MLP(dim, 4 * dim), QKNormAttention(dim, 4),
@@ -78,37 +103,75 @@ def cases() -> List[Tuple[str, torch.nn.Module, Any, Callable[[], None], Dict[st
     return out
 
 
-def main(argv: Any = None) -> List[Dict[str, Any]]:
+def monitor_check_cost(repeats: int) -> Dict[str, Any]:
+    """Seconds of a training step of the mini GPT, and of a monitor check on it (measured basis, then with the
+    Lanczos estimates at every check): medians over ``repeats`` checks after a first (cold) one."""
+    from certblocks import CertificateMonitor
+
+    model, idx = _mini()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def train_step() -> None:
+        opt.zero_grad(set_to_none=True)
+        model(idx, idx)[1].backward()
+        opt.step()
+    out: Dict[str, Any] = {"train_step_s": _median_seconds(train_step, repeats)}
+    for name, kw in (("measured", {}), ("estimate_every=1", {"estimate_every": 1})):
+        mon = CertificateMonitor(model, "bf16", every=1, **kw)
+        times = []
+        for _ in range(repeats + 1):
+            opt.zero_grad(set_to_none=True)
+            model(idx, idx)[1].backward()
+            t0 = time.perf_counter()
+            mon.step()
+            times.append(time.perf_counter() - t0)
+            opt.step()
+        mon.remove()
+        out[name] = {"cold_s": times[0], "check_s": statistics.median(times[1:]),
+                     "steps_per_check": statistics.median(times[1:]) / out["train_step_s"]}
+    return out
+
+
+def main(argv: Any = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--steps", type=int, nargs="*", default=[12, 4])
-    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    p.add_argument("--settings", nargs="*", default=list(SETTINGS), choices=list(SETTINGS))
+    p.add_argument("--monitor", action="store_true", help="also time a monitor check on the mini GPT")
+    p.add_argument("--no-mini", action="store_true", help="leave the mini GPT out (the small models only)")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     import certblocks
 
     rows = []
     warnings.simplefilter("ignore")
-    for name, model, batch, fb, kw in cases():
+    for name, model, batch, fb, kw in cases(mini=not args.no_mini):
         base = _median_seconds(fb, args.repeats)
         row: Dict[str, Any] = {"model": name, "forward_backward_s": base}
-        for steps in args.steps:
-            run = lambda m=model, b=batch, s=steps, k=kw: certblocks.trajectory(m, b, "fp16", steps=s, **k)  # noqa: E731
+        for setting in args.settings:
+            opts = {**kw, **SETTINGS[setting]}
+            run = lambda m=model, b=batch, o=opts: certblocks.trajectory(m, b, "fp16", **o)  # noqa: E731
             t = _median_seconds(run, max(1, args.repeats // 2))
-            rep = certblocks.trajectory(model, batch, "fp16", steps=steps, **kw)
-            row[f"steps_{steps}"] = {"seconds": t, "passes": t / base, "converged": rep.converged,
-                                     "log_gradient_bound": rep.log_gradient_bound,
-                                     "headroom_measured": rep.headroom_measured}
+            rep = run()
+            row[setting] = {"seconds": t, "passes": t / base, "converged": rep.converged,
+                            "log_gradient_bound": rep.log_gradient_bound,
+                            "headroom_measured": rep.headroom_measured}
         rows.append(row)
-        cells = ", ".join(f"steps {s}: {row[f'steps_{s}']['passes']:.1f} passes "
-                          f"(converged {row[f'steps_{s}']['converged']}, log bound "
-                          f"{row[f'steps_{s}']['log_gradient_bound']:.3f})" for s in args.steps)
-        print(f"{name}: forward+backward {1e3 * base:.1f} ms; {cells}", flush=True)
+        cells = ", ".join(f"{s}: {row[s]['passes']:.1f}" for s in args.settings)
+        print(f"{name}: forward+backward {1e3 * base:.1f} ms; passes: {cells}", flush=True)
+    result: Dict[str, Any] = {"trajectory": rows}
+    if args.monitor:
+        result["monitor"] = mon = monitor_check_cost(args.repeats)
+        print(f"monitor on the mini GPT: training step {mon['train_step_s']:.3f} s; a check on the measured basis "
+              f"{mon['measured']['check_s']:.3f} s ({mon['measured']['steps_per_check']:.2f} steps), with the "
+              f"estimates {mon['estimate_every=1']['check_s']:.3f} s "
+              f"({mon['estimate_every=1']['steps_per_check']:.2f} steps)", flush=True)
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump(rows, fh, indent=1)
-    return rows
+            json.dump(result, fh, indent=1)
+    return result
 
 
 if __name__ == "__main__":

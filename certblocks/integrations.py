@@ -106,7 +106,7 @@ class CertificateCallback(TrainerCallback):
         if self.monitor is None:
             return control
         rec = self.monitor.step()
-        if rec is not None and rec.get("data/headroom") is not None:
+        if rec is not None and rec.get("data/alert_headroom") is not None:
             self._logs = {f"certblocks/{k}": float(rec[f"data/{k}"])
                           for k in ("alert_headroom", "headroom", "forward_headroom", "backward_headroom",
                                     "backward_headroom_measured") if rec.get(f"data/{k}") is not None}

@@ -171,6 +171,10 @@ class CertificateMonitor:
         worst_case_alerts: also alert on the worst-case margins (``stack/margin_grad``, ``margin_fwd``, and with
             ``share_alerts`` each update's share); off by default: they stay in the records.
         data_steps: Lanczos steps per Jacobian at each check (warm-started from the previous check).
+        estimate_every: run the Lanczos estimates (records ``data/headroom``, ``data/log_grad_bound``,
+            ``<update>/jacobian_norm``) at every this many on-data checks.  ``None`` (default): only where the alerts
+            need them (``headroom_basis`` ``"estimate"`` or ``"certified"``, or no backward seen before the
+            check); a check on the measured basis then costs a few forward+backward passes of the checked segments.
 
     Attributes:
         records: one plain dict per check (keys ``step``, ``stack/...`` and ``<update>/<quantity>``).
@@ -184,7 +188,7 @@ class CertificateMonitor:
                  power_iters: int = 4, power_iters_init: int = 50, logit_samples: int = 8,
                  batch_figures: bool = True, on_data: bool = True, headroom_threshold: Optional[float] = 1.0,
                  horizon: Optional[int] = None, trend_window: int = 5, worst_case_alerts: bool = False,
-                 data_steps: int = 4, headroom_basis: str = "measured") -> None:
+                 data_steps: int = 4, headroom_basis: str = "measured", estimate_every: Optional[int] = None) -> None:
         self.dtype = dtype_name(dtype)
         self.every = check_int("every", every)
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold) \
@@ -218,7 +222,8 @@ class CertificateMonitor:
                                   window=check_int("trend_window", trend_window, 3), steps=check_int("data_steps",
                                                                                                     data_steps),
                                   tol=1e-2, logit_samples=self.logit_samples,
-                                  basis=headroom_basis) if on_data and batch_figures else None
+                                  basis=headroom_basis, estimate_every=estimate_every
+                                  ) if on_data and batch_figures else None
         try:
             self.updates: Optional[ResidualUpdates] = residual_updates(model, r0=r0, seq_len=seq_len)
         except TypeError:  # no certified block: on data only, from the model's graph (certblocks.certify's updates)

@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens of the example input when there is no --batch (default 8)")
     p.add_argument("--steps", type=int_at_least(1), default=12, help="Lanczos steps per Jacobian at most (default 12)")
     p.add_argument("--no-certified", action="store_true", help="skip the certified bounds (faster)")
+    p.add_argument("--no-jacobians", action="store_true",
+                   help="skip the Lanczos estimates: the measured costates only (a few forward+backward passes; "
+                        "needs a batch with the model's targets, e.g. a dict with labels)")
     p.add_argument("--plot", default=None, metavar="PNG", help="draw the headroom per update into PNG (matplotlib)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=run_trajectory)
@@ -71,7 +74,7 @@ def run_trajectory(args: argparse.Namespace) -> int:
 
     try:
         rep = trajectory(model, example if batch is None else batch, args.dtype[0], steps=args.steps,
-                         certified=not args.no_certified)
+                         certified=not args.no_certified, jacobians=not args.no_jacobians)
     except (CaptureError, ValueError, TypeError, RuntimeError) as exc:  # a batch the model refuses, no updates...
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UsageError(f"{args.model} on {'--batch ' + repr(args.batch) if batch is not None else 'its example'}: "
@@ -100,15 +103,16 @@ def plot_headroom(rep: Any, path: str) -> None:
 
     names = [u.name for u in rep.updates]
     fwd = [rep.log_max - (math.log(u.forward_max) if u.forward_max > 0 else -math.inf) for u in rep.updates]
-    bwd, acc = [], (math.log(rep.head.norm) if rep.head.norm > 0 else -math.inf)
-    for u in reversed(rep.updates):  # the bound on ||p_k|| grows from the head down to the first update
-        acc += u.log_factor
-        bwd.append(rep.log_max - acc)
-    bwd.reverse()
     clip = lambda v: [max(min(x, 1e3), -1e3) for x in v]
     fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(names) + 2), 4))
     ax.plot(range(len(names)), clip(fwd), "o-", label="forward: log M - log max(|X_k+1|, peak)")
-    ax.plot(range(len(names)), clip(bwd), "s-", label="backward: log M - bound on log ||p_k|| (estimate)")
+    if rep.estimated:
+        bwd, acc = [], (math.log(rep.head.norm) if rep.head.norm > 0 else -math.inf)
+        for u in reversed(rep.updates):  # the bound on ||p_k|| grows from the head down to the first update
+            acc += u.log_factor
+            bwd.append(rep.log_max - acc)
+        bwd.reverse()
+        ax.plot(range(len(names)), clip(bwd), "s-", label="backward: log M - bound on log ||p_k|| (estimate)")
     if rep.log_gradient_measured is not None:
         meas = [rep.log_max - (math.log(u.costate_norm) if u.costate_norm > 0 else -math.inf) for u in rep.updates]
         ax.plot(range(len(names)), clip(meas), "^:", label="backward: log M - log ||p_k|| (measured)")
@@ -117,7 +121,8 @@ def plot_headroom(rep: Any, path: str) -> None:
     ax.set_xticklabels(names, rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("headroom (nats)")
     measured = "" if rep.headroom_measured is None else f" (measured {rep.headroom_measured:.3g})"
-    ax.set_title(f"{rep.model}, {rep.dtype}: headroom {rep.headroom:.3g} nats{measured}")
+    estimate = "not estimated" if rep.headroom is None else f"{rep.headroom:.3g} nats"
+    ax.set_title(f"{rep.model}, {rep.dtype}: headroom {estimate}{measured}")
     ax.legend(fontsize=7)
     fig.tight_layout()
     try:

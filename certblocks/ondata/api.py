@@ -62,7 +62,7 @@ def _is_zoo(model: Any) -> bool:
 def trajectory(model: nn.Module, batch: Any, dtype: Union[str, torch.dtype], *, dt: Optional[float] = None,
                loss: LossArg = None, loss_gradient: Optional[float] = None, steps: int = 12, tol: float = 1e-2,
                certified: bool = True, dense_max: int = 256, logit_samples: int = 8,
-               warm: Optional[Dict[str, Tensor]] = None) -> TrajectoryReport:
+               warm: Optional[Dict[str, Tensor]] = None, jacobians: bool = True) -> TrajectoryReport:
     """The on-data certificate of ``batch``: the paper's trajectory bound (T) and the headroom to ``dtype``'s limit.
 
     One forward of ``model`` on ``batch`` (in eval mode: dropout off; in the caller's autocast and device) gives
@@ -98,31 +98,43 @@ def trajectory(model: nn.Module, batch: Any, dtype: Union[str, torch.dtype], *, 
             rigorous spectral norm bound as its certified bound (0: never).
         logit_samples: samples used for the largest attention logit.
         warm: a dict the Lanczos start vectors are read from and written to (warm starts across calls).
+        jacobians: estimate every ``||Dv_k||`` by Lanczos (the ``"estimate"`` basis: :attr:`~TrajectoryReport.headroom`
+            and the (T) bound).  ``False`` skips them: the report has the forward figures and the measured costates
+            only (``headroom_measured``; ``headroom`` and ``log_gradient_bound`` are ``None``), at a few
+            forward+backward passes (``benchmarks/RESULTS.md``, "Cost of a trajectory()"); it needs the exact
+            costate ``p_D`` (``loss=``, or a model that returns its loss from the batch's targets).
 
     Returns:
         A :class:`~certblocks.ondata.TrajectoryReport`.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, or ``batch`` is not a tensor, tuple or dict.
-        ValueError: ``dt`` differs from the model's step, or the model has no residual update on one path.
+        ValueError: ``dt`` differs from the model's step, the model has no residual update on one path, or
+            ``jacobians=False`` without an exact ``p_D``.
     """
     args, kwargs = as_args(batch)
     return trajectory_of_call(model, args, kwargs, dtype, dt=dt, loss=loss, loss_gradient=loss_gradient, steps=steps,
                               tol=tol, certified=certified, dense_max=dense_max, logit_samples=logit_samples,
-                              warm=warm)
+                              warm=warm, jacobians=jacobians)
 
 
 def trajectory_of_call(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], dtype: Union[str, torch.dtype],
                        *, dt: Optional[float] = None, loss: LossArg = None, loss_gradient: Optional[float] = None,
                        steps: int = 12, tol: float = 1e-2, certified: bool = True, dense_max: int = 256,
-                       logit_samples: int = 8, warm: Optional[Dict[str, Tensor]] = None) -> TrajectoryReport:
-    """:func:`trajectory` on the call ``model(*args, **kwargs)``."""
+                       logit_samples: int = 8, warm: Optional[Dict[str, Tensor]] = None,
+                       jacobians: Optional[bool] = True, capture_cache: Optional[Dict[Any, Any]] = None
+                       ) -> TrajectoryReport:
+    """:func:`trajectory` on the call ``model(*args, **kwargs)`` (``jacobians=None``: the estimates only where
+    there is no exact ``p_D``; ``capture_cache``: exported graphs kept across calls, see
+    :func:`certblocks.trace.capture.capture`)."""
     t0 = time.perf_counter()
     inner = unwrap(model)
     if not isinstance(inner, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     name = dtype_name(dtype)
     _check_options(loss, loss_gradient, steps, tol, dense_max, logit_samples)
+    if jacobians is not None and not isinstance(jacobians, bool):
+        raise TypeError(f"jacobians must be a bool, got {jacobians!r}")
     from ..stack import CertifiedStack
 
     with eval_mode(inner):
@@ -138,9 +150,9 @@ def trajectory_of_call(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str
         else:
             _check_dt(dt, 1.0, type(inner).__name__)
             src = graph_steps(inner, args, kwargs, loss=loss, loss_gradient=loss_gradient, certified=certified,
-                              logit_samples=logit_samples)
+                              logit_samples=logit_samples, capture_cache=capture_cache)
         rep = evaluate(src, name, model=type(inner).__name__, steps=steps, tol=tol,
-                       dense_max=dense_max if certified else 0, warm=warm)
+                       dense_max=dense_max if certified else 0, warm=warm, jacobians=jacobians)
     rep.seconds = time.perf_counter() - t0
     return rep
 
@@ -185,13 +197,14 @@ def _per_sample_max(t: Tensor) -> float:
     return math.inf if not torch.isfinite(n).all() else float(n.max())
 
 
-def _estimate(fn: Callable[[Tensor], Tensor], x: Tensor, key: str, steps: int, tol: float,
-              warm: Optional[Dict[str, Tensor]], jvp: str = "auto") -> Any:
-    lin = LinearizedMap(fn, x, jvp)
-    est = jacobian_spectral_norm(lin, steps=steps, tol=tol, v0=None if warm is None else warm.get(key))
+def _estimate(lin: LinearizedMap, key: str, steps: int, tol: float, warm: Optional[Dict[str, Tensor]],
+              start: Optional[Tensor] = None) -> Any:
+    """Lanczos on ``lin`` from the warm vector of ``key``, else ``start``, else a random vector."""
+    v0 = warm.get(key) if warm is not None else None
+    est = jacobian_spectral_norm(lin, steps=steps, tol=tol, v0=start if v0 is None else v0)
     if warm is not None:
         warm[key] = est.vector
-    return est, tokens_of(lin.out)
+    return est
 
 
 def _dense(fn64: Optional[Callable[[Tensor], Tensor]], x: Tensor, dense_max: int) -> Optional[float]:
@@ -215,50 +228,96 @@ def _certified_bound(step_cert: Any, x: Tensor, out_tokens: int, dense: Optional
     return math.sqrt(out_tokens) * step_cert.jacobian_bound(r), "certificate"
 
 
+Graph = Tuple[Tensor, Tensor, Tuple[float, Optional[float], Dict[str, float]]]
+
+
 def evaluate(src: Source, dtype: str, *, model: str = "", steps: int = 12, tol: float = 1e-2, dense_max: int = 256,
-             warm: Optional[Dict[str, Tensor]] = None) -> TrajectoryReport:
-    """The report of a :class:`~certblocks.ondata.sources.Source` (:func:`trajectory`'s work after the forward)."""
-    ups: List[UpdateTrajectory] = []
-    for st in src.steps:
-        ups.append(_update(st, steps, tol, dense_max, warm))
-    head, p_d = _head(src.head, steps, tol, dense_max, warm)
+             warm: Optional[Dict[str, Tensor]] = None, jacobians: Optional[bool] = True) -> TrajectoryReport:
+    """The report of a :class:`~certblocks.ondata.sources.Source` (:func:`trajectory`'s work after the forward).
+
+    One recorded forward of every segment with its graph kept (the peaks), the head (``p_D``), then from the last
+    segment to the first: the costate through the segment's graph, the Lanczos estimate on the same graph (with
+    ``jacobians``; ``None``: only when there is no exact ``p_D``), and the graph is released."""
+    exact = src.head.loss_fn is not None or src.head.p is not None
+    if jacobians is None:
+        jacobians = not exact
+    if not jacobians and not exact:
+        raise ValueError("jacobians=False needs the exact costate p_D at the last state (pass loss=, or the targets "
+                         "of a model that returns its loss): without it the backward side is the Lanczos estimate")
+    graphs: List[Optional[Graph]] = [_forward(st) for st in src.steps]
+    head, p = _head(src.head, steps, tol, dense_max, warm)
     notes = list(src.notes)
-    if p_d is not None:
-        try:
-            for u, n in zip(ups, costate_norms(src.steps, p_d)):
-                u.costate_norm = n
-        except (RuntimeError, NotImplementedError, TypeError) as exc:  # a segment autograd cannot differentiate
-            notes.append(f"no measured costates: {type(exc).__name__}: {exc}")
+    ups: List[Optional[UpdateTrajectory]] = [None] * len(src.steps)
+    for k in reversed(range(len(src.steps))):
+        st, (x, out, figures) = src.steps[k], graphs[k]  # type: ignore[misc]
+        graphs[k] = None
+        costate, start = None, None
+        if p is not None:
+            try:
+                g = _vjp(out, x, p, retain=jacobians)
+                start = g if bool(torch.isfinite(g).all()) and bool(g.any()) else None
+                p = (p.to(g.dtype).reshape(g.shape) + st.dt * g) if st.kind == "update" else g
+                costate = _per_sample_max(p)
+            except (RuntimeError, NotImplementedError, TypeError) as exc:  # a segment autograd cannot differentiate
+                notes.append(f"no measured costates: {type(exc).__name__}: {exc}")
+                p = None
+        ups[k] = _update(st, x, out, figures, steps, tol, dense_max, warm, jacobians, start)
+        ups[k].costate_norm = costate  # type: ignore[union-attr]
+    if any(u.costate_norm is None for u in ups):  # type: ignore[union-attr]
+        for u in ups:
+            u.costate_norm = None  # type: ignore[union-attr]
     x0 = src.steps[0].x
-    return TrajectoryReport(model, dtype, math.log(float_max(dtype)), ups, head, int(x0.shape[0]), tokens_of(x0),
-                            notes=notes, input_norm=src.input_norm, stem_peak=src.stem_peak,
+    return TrajectoryReport(model, dtype, math.log(float_max(dtype)), ups, head, int(x0.shape[0]),  # type: ignore[arg-type]
+                            tokens_of(x0), notes=notes, input_norm=src.input_norm, stem_peak=src.stem_peak,
                             stem_peaks=dict(src.stem_peaks))
+
+
+def _forward(st: Step) -> Graph:
+    """The segment on its input with the graph kept: ``(x, out, peak figures)`` (one recorded forward)."""
+    x = st.x.detach().requires_grad_(True)
+    if st.record is not None:
+        out, figures = st.record(x)
+        return x, out, figures
+    with torch.enable_grad():
+        out = st.fn(x)
+    return x, out, st.peak()
+
+
+def _vjp(out: Tensor, x: Tensor, p: Tensor, *, retain: bool) -> Tensor:
+    g = torch.autograd.grad(out, x, p.to(out.dtype).reshape(out.shape), allow_unused=True, retain_graph=retain)[0]
+    return torch.zeros_like(x) if g is None else g
 
 
 def costate_norms(steps: List[Step], p_d: Tensor) -> List[float]:
     """The costates ``p_k`` at each segment's input from ``p_D``, backwards by vector-Jacobian products
     (an update: ``p_k = p_{k+1} + dt Dv_k(X_k)^T p_{k+1}``; a map or block: ``Dm_k(X_k)^T p_{k+1}``), as their
-    largest per-sample norm (``inf`` once one is not finite).  One backward of every segment."""
+    largest per-sample norm (``inf`` once one is not finite).  One forward and one backward of every segment
+    (:func:`evaluate` reuses the recorded forward's graph instead)."""
     norms: List[float] = []
     p = p_d.detach()
     for st in reversed(steps):
         x = st.x.detach().requires_grad_(True)
         with torch.enable_grad():
             out = st.fn(x)
-            g = torch.autograd.grad(out, x, p.to(out.dtype).reshape(out.shape), allow_unused=True)[0]
-        g = torch.zeros_like(x) if g is None else g
+        g = _vjp(out, x, p, retain=False)
         p = (p.to(g.dtype).reshape(g.shape) + st.dt * g) if st.kind == "update" else g
         norms.append(_per_sample_max(p))
     return norms[::-1]
 
 
-def _update(st: Step, steps: int, tol: float, dense_max: int, warm: Optional[Dict[str, Tensor]]) -> UpdateTrajectory:
-    est, out_tokens = _estimate(st.fn, st.x, st.key or st.name, steps, tol, warm)
-    jn = float(est.values.max())
+def _update(st: Step, x: Tensor, out: Tensor, figures: Tuple[float, Optional[float], Dict[str, float]], steps: int,
+            tol: float, dense_max: int, warm: Optional[Dict[str, Tensor]], jacobians: bool,
+            start: Optional[Tensor]) -> UpdateTrajectory:
+    out_tokens = tokens_of(out)
+    jn: Optional[float] = None
+    n_steps, converged, change, jvp = 0, True, 0.0, ""
+    if jacobians:
+        est = _estimate(LinearizedMap(st.fn, x, graph=out), st.key or st.name, steps, tol, warm, start)
+        jn, n_steps, converged, change, jvp = float(est.values.max()), est.steps, est.converged, est.change, est.jvp
     bound, source = _certified_bound(st.cert, st.x, out_tokens, _dense(st.fn64, st.x, dense_max))
-    peak, logit, peaks = st.peak()
-    return UpdateTrajectory(st.name, st.kind, token_norm_max(st.x), st.out_norm, jn, bound, source, est.steps,
-                            est.converged, est.change, est.jvp, peak, st.dt,
+    peak, logit, peaks = figures
+    return UpdateTrajectory(st.name, st.kind, token_norm_max(st.x), st.out_norm, jn, bound, source, n_steps,
+                            converged, change, jvp, peak, st.dt,
                             kappa=None if st.kappa is None else st.kappa(), max_logit=logit, peaks=peaks,
                             state_max=_entry_max(st.x), state_dtype=_dtype_label(st.x.dtype))
 
@@ -279,43 +338,51 @@ def _entry_max(t: Tensor) -> float:
     return math.inf if math.isnan(v) else v
 
 
+def _head_forward(h: Head, fn: Callable[[Tensor], Tensor], x: Tensor) -> Tuple[Tensor, float, Dict[str, float]]:
+    """``fn(x)`` with its graph and the head's peaks: one recorded forward where the head can record."""
+    if h.record is not None:
+        out, (peak, peaks) = h.record(x)
+        return out, peak, peaks
+    with torch.enable_grad():
+        out = fn(x)
+    return (out, *h.peak())
+
+
 def _head(h: Head, steps: int, tol: float, dense_max: int, warm: Optional[Dict[str, Tensor]]
           ) -> Tuple[HeadTrajectory, Optional[Tensor]]:
     """The head's figures, and the exact costate ``p_D`` where there is one (the loss's gradient, or given)."""
-    peak, peaks = h.peak()
-    head, p = _head_costate(h, peak, steps, tol, dense_max, warm)
-    head.peaks, head.state_max, head.state_dtype = peaks, _entry_max(h.x), _dtype_label(h.x.dtype)
-    return head, p
-
-
-def _head_costate(h: Head, peak: float, steps: int, tol: float, dense_max: int, warm: Optional[Dict[str, Tensor]]
-                  ) -> Tuple[HeadTrajectory, Optional[Tensor]]:
     x = h.x.detach()
     rd = token_norm_max(x)
+    xg = x.clone().requires_grad_(True)
     if h.loss_fn is not None:
-        xg = x.clone().requires_grad_(True)
+        val, peak, peaks = _head_forward(h, h.loss_fn, xg)
+        if not isinstance(val, Tensor) or val.numel() != 1:
+            raise ValueError(f"the loss must be a scalar tensor, got {type(val).__name__} "
+                             f"{tuple(getattr(val, 'shape', ()))}")
         with torch.enable_grad():
-            val = h.loss_fn(xg)
-            if not isinstance(val, Tensor) or val.numel() != 1:
-                raise ValueError(f"the loss must be a scalar tensor, got {type(val).__name__} "
-                                 f"{tuple(getattr(val, 'shape', ()))}")
             p = torch.autograd.grad(val.reshape(()), xg, allow_unused=True)[0]
         n = 0.0 if p is None else _per_sample_max(p)
         if not torch.isfinite(val.detach()).all():
             n = math.inf
-        return HeadTrajectory("loss", n, n, rd, peak, detail=h.detail), None if p is None else p.detach()
-    if h.p is not None:
+        head, p_d = HeadTrajectory("loss", n, n, rd, peak, detail=h.detail), None if p is None else p.detach()
+    elif h.p is not None:
+        peak, peaks = h.peak()
         n = _per_sample_max(h.p)
-        return HeadTrajectory("loss", n, n, rd, peak, detail=h.detail), h.p.detach()
-    if h.fn is not None:
+        head, p_d = HeadTrajectory("loss", n, n, rd, peak, detail=h.detail), h.p.detach()
+    elif h.fn is not None:  # ||DG(X_D)|| by Lanczos (needed whatever ``jacobians``: there is no exact p_D)
+        out, peak, peaks = _head_forward(h, h.fn, xg)
         try:
-            est, out_tokens = _estimate(h.fn, x, "head", steps, tol, warm, jvp="double")
+            est = _estimate(LinearizedMap(h.fn, xg, "double", graph=out), "head", steps, tol, warm)
         except (RuntimeError, NotImplementedError, TypeError):
-            est, out_tokens = _estimate(h.fn, x, "head", steps, tol, warm)
-        bound, _ = _certified_bound(h.cert, x, out_tokens, _dense(h.fn64, x, dense_max))
+            est = _estimate(LinearizedMap(h.fn, x), "head", steps, tol, warm)
+        bound, _ = _certified_bound(h.cert, x, tokens_of(out), _dense(h.fn64, x, dense_max))
         lg = h.loss_gradient
         detail = h.detail + ("" if est.converged else f" (not converged: {est.steps} steps, change {est.change:.2g})")
-        return HeadTrajectory("jacobian", float(est.values.max()) * lg, None if bound is None else bound * lg, rd, peak,
-                              loss_gradient=lg, detail=detail), None
-    lip = 1.0 if h.lip_g is None else float(h.lip_g)
-    return HeadTrajectory("lip_g", lip, lip, rd, peak, detail=h.detail), None
+        head, p_d = HeadTrajectory("jacobian", float(est.values.max()) * lg, None if bound is None else bound * lg, rd,
+                                   peak, loss_gradient=lg, detail=detail), None
+    else:
+        peak, peaks = h.peak()
+        lip = 1.0 if h.lip_g is None else float(h.lip_g)
+        head, p_d = HeadTrajectory("lip_g", lip, lip, rd, peak, detail=h.detail), None
+    head.peaks, head.state_max, head.state_dtype = peaks, _entry_max(h.x), _dtype_label(h.x.dtype)
+    return head, p_d

@@ -142,14 +142,15 @@ def _graph_attention(g: Any, names: set) -> Optional[nn.Module]:
 
 def graph_steps(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], *,
                 loss: Optional[Callable[[Tensor], Tensor]], loss_gradient: Optional[float], certified: bool,
-                logit_samples: int) -> Source:
-    """The steps of any module from its graph on the batch (module docstring)."""
+                logit_samples: int, capture_cache: Optional[Dict[Any, Any]] = None) -> Source:
+    """The steps of any module from its graph on the batch (module docstring); ``capture_cache``: see
+    :func:`certblocks.trace.capture.capture`'s ``cache``."""
     from ..trace.api import certify_velocity
     from ..trace.capture import capture
     from ..trace.chain import model_chain, segment_name
     from ..trace.residual import find_residual_updates, velocity_name
 
-    g = capture(model, args, kwargs)
+    g = capture(model, args, kwargs, cache=capture_cache)
     ups = find_residual_updates(g)
     if not ups:
         raise ValueError(f"{type(model).__name__} has no residual update X + f(X) in its graph: no trajectory")

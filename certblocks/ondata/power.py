@@ -61,15 +61,22 @@ class LinearizedMap:
             vector-Jacobian product: a double backward through the saved graph), ``"central"`` (central
             differences: only for choosing directions, never a value) or ``"auto"``: the first that works,
             in the order forward, double, central.
+        graph: ``f(x)`` already computed with ``x`` requiring grad (its autograd graph is reused, so that one
+            forward serves the recorder, the costates and the products).
     """
 
-    def __init__(self, f: Map, x: Tensor, jvp: str = "auto") -> None:
+    def __init__(self, f: Map, x: Tensor, jvp: str = "auto", *, graph: Optional[Tensor] = None) -> None:
         if jvp not in ("auto", "forward", "double", "central"):
             raise ValueError(f"jvp must be 'auto', 'forward', 'double' or 'central', got {jvp!r}")
         self.f = f
-        self.x = x.detach().requires_grad_(True)
-        with torch.enable_grad():
-            self._out = f(self.x)  # one graph; vector-Jacobian products reuse it (plain autograd: any module)
+        if graph is not None:  # f(x) already run with x requiring grad: its graph is reused, f is not run again
+            if not x.requires_grad:
+                raise ValueError("graph= needs the x it was computed from, requiring grad")
+            self.x, self._out = x, graph
+        else:
+            self.x = x.detach().requires_grad_(True)
+            with torch.enable_grad():
+                self._out = f(self.x)  # one graph; vector-Jacobian products reuse it (plain autograd: any module)
         self.out = self._out.detach()
         self._mode = jvp
         self._dummy: Optional[Tensor] = None

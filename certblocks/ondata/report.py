@@ -55,17 +55,19 @@ class UpdateTrajectory:
         state_norm: largest per-token norm of the input state ``X_k`` on the batch.
         out_norm: largest per-token norm of the state after the segment.
         jacobian_norm: the Lanczos estimate (from below) of ``max_s ||Dv_k(X_k^s)||_2`` (whole-sample spectral
-            norm; for a map, of ``Dm_k``); ``inf`` when the Jacobian overflows.
+            norm; for a map, of ``Dm_k``); ``inf`` when the Jacobian overflows; ``None`` when not estimated
+            (``trajectory(..., jacobians=False)``).
         jacobian_bound: a certified upper bound of the same norm, or ``None``.
         bound_source: where :attr:`jacobian_bound` comes from: ``"dense"`` (the whole float64 Jacobian of each
             sample, rigorous spectral norm bound) or ``"certificate"`` (``sqrt(n) L_k(R)``: the block's Jacobian
             bound in the per-token norm at the batch's radius ``R``, ``n`` tokens), or ``""``.
-        steps: Lanczos steps run; ``converged`` and ``change`` (relative change over the last step) tell how far.
-        jvp: the Jacobian-vector product used (``forward``, ``double`` or ``central``).
+        steps: Lanczos steps run (0: not estimated); ``converged`` and ``change`` (relative change over the last
+            step) tell how far.
+        jvp: the Jacobian-vector product used (``forward``, ``double`` or ``central``; ``""``: none).
         peak: largest ``|entry|`` of every intermediate the segment computes on the batch, its output included.
         dt: the residual step (``P = I``); 0 for a map.
         log_factor: ``log(1 + dt jacobian_norm)`` (a map or block: ``log jacobian_norm``), nats of backward
-            headroom used.
+            headroom used (``None`` when not estimated).
         log_factor_certified: the same with :attr:`jacobian_bound`, or ``None``.
         kappa: ``max_h ||W_Q^{hT} W_K^h||`` of an attention update (estimate from below), else ``None``.
         max_logit: largest ``|logit|`` of an attention update on the batch, else ``None``.
@@ -79,7 +81,7 @@ class UpdateTrajectory:
     kind: str
     state_norm: float
     out_norm: float
-    jacobian_norm: float
+    jacobian_norm: Optional[float]
     jacobian_bound: Optional[float]
     bound_source: str
     steps: int
@@ -96,8 +98,8 @@ class UpdateTrajectory:
     state_dtype: str = ""
 
     @property
-    def log_factor(self) -> float:
-        return _factor(self.kind, self.dt, self.jacobian_norm)
+    def log_factor(self) -> Optional[float]:
+        return None if self.jacobian_norm is None else _factor(self.kind, self.dt, self.jacobian_norm)
 
     @property
     def log_factor_certified(self) -> Optional[float]:
@@ -113,6 +115,10 @@ class UpdateTrajectory:
         d = asdict(self)
         d.update(log_factor=self.log_factor, log_factor_certified=self.log_factor_certified)
         return d
+
+
+def _opt(x: Optional[float]) -> str:
+    return "-" if x is None else fmt_num(x)
 
 
 def _nan_up(x: float) -> float:
@@ -189,10 +195,18 @@ class TrajectoryReport:
 
     # -- the whole ------------------------------------------------------------------------------------------
     @property
-    def log_gradient_bound(self) -> float:
+    def estimated(self) -> bool:
+        """Whether every ``||Dv_k||`` was estimated (``trajectory(..., jacobians=True)``, the default)."""
+        return all(u.jacobian_norm is not None for u in self.updates)
+
+    @property
+    def log_gradient_bound(self) -> Optional[float]:
         """``log ||p_D|| + sum_k log_factor``: the (T) bound with the Lanczos estimates (an estimate); ``inf`` when a
-        factor is infinite and ``p_D`` is 0 (``0 * inf``: a costate that underflowed is not taken as a zero)."""
-        return _nan_up(_log(self.head.norm) + sum(u.log_factor for u in self.updates))
+        factor is infinite and ``p_D`` is 0 (``0 * inf``: a costate that underflowed is not taken as a zero);
+        ``None`` when not :attr:`estimated`."""
+        if not self.estimated:
+            return None
+        return _nan_up(_log(self.head.norm) + sum(u.log_factor for u in self.updates))  # type: ignore[misc]
 
     @property
     def log_gradient_bound_certified(self) -> Optional[float]:
@@ -214,8 +228,9 @@ class TrajectoryReport:
         return self.log_max - _log(self.forward_max)
 
     @property
-    def backward_headroom(self) -> float:
-        return self.log_max - self.log_gradient_bound
+    def backward_headroom(self) -> Optional[float]:
+        b = self.log_gradient_bound
+        return None if b is None else self.log_max - b
 
     @property
     def backward_headroom_certified(self) -> Optional[float]:
@@ -223,9 +238,11 @@ class TrajectoryReport:
         return None if b is None else self.log_max - b
 
     @property
-    def headroom(self) -> float:
-        """``min(forward, backward)`` headroom in nats (estimate on the backward side); negative: overflow."""
-        return min(self.forward_headroom, self.backward_headroom)
+    def headroom(self) -> Optional[float]:
+        """``min(forward, backward)`` headroom in nats (estimate on the backward side); negative: overflow;
+        ``None`` when not :attr:`estimated` (see :attr:`headroom_measured`)."""
+        b = self.backward_headroom
+        return None if b is None else min(self.forward_headroom, b)
 
     @property
     def headroom_certified(self) -> Optional[float]:
@@ -283,15 +300,22 @@ class TrajectoryReport:
 
     def sides_on(self, basis: str) -> Tuple[float, float, str]:
         """``(forward headroom, backward headroom, basis used)`` on ``basis``: ``"measured"`` (both sides as the
-        batch ran; falls back to ``"estimate"`` without measured costates), ``"estimate"`` or ``"certified"``
-        (the certified backward bound; falls back to ``"estimate"`` without certified factors)."""
+        batch ran), ``"estimate"`` or ``"certified"`` (the certified backward bound).  A basis the report has no
+        figure for falls back to ``"estimate"``, and without estimates (``jacobians=False``) to ``"measured"``."""
         if basis not in BASES:
             raise ValueError(f"basis must be one of {', '.join(map(repr, BASES))}, got {basis!r}")
-        if basis == "measured" and self.backward_headroom_measured is not None:
-            return self.forward_headroom_measured, self.backward_headroom_measured, "measured"
-        if basis == "certified" and self.backward_headroom_certified is not None:
-            return self.forward_headroom, self.backward_headroom_certified, "certified"
-        return self.forward_headroom, self.backward_headroom, "estimate"
+        for b in (basis, "estimate", "measured", "certified"):
+            sides = self._sides(b)
+            if sides is not None:
+                return sides[0], sides[1], b
+        raise ValueError("the report has no backward figure (neither estimates nor measured costates)")
+
+    def _sides(self, basis: str) -> Optional[Tuple[float, float]]:
+        if basis == "measured":
+            m = self.backward_headroom_measured
+            return None if m is None else (self.forward_headroom_measured, m)
+        b = self.backward_headroom_certified if basis == "certified" else self.backward_headroom
+        return None if b is None else (self.forward_headroom, b)
 
     def headroom_on(self, basis: str) -> Tuple[float, str]:
         """``(headroom, basis used)`` on ``basis`` (:meth:`sides_on`): the smaller side."""
@@ -300,11 +324,12 @@ class TrajectoryReport:
 
     @property
     def ok(self) -> bool:
-        """The batch stays below ``M`` on both sides (estimated headroom > 0)."""
-        return self.headroom > 0
+        """The batch stays below ``M`` on both sides (estimated headroom > 0; without estimates, the measured)."""
+        return self.headroom_on("estimate")[0] > 0
 
     @property
     def converged(self) -> bool:
+        """Every Lanczos estimate converged (``True`` when none was run)."""
         return all(u.converged for u in self.updates)
 
     def worst(self, basis: str = "estimate") -> Tuple[str, str, float]:
@@ -337,7 +362,8 @@ class TrajectoryReport:
             val, name, qty = max(cands, key=lambda c: c[0])
             return name, qty, _log(val)
         certified = used == "certified"
-        cands2 = [(u.log_factor_certified if certified else u.log_factor, u.name, "Jacobian") for u in self.updates]
+        cands2 = [(u.log_factor_certified if certified else u.log_factor, u.name, "Jacobian")
+                  for u in self.updates]  # every factor is there: sides_on fell back otherwise
         cands2.append((_log(self.head.norm_certified if certified else self.head.norm), "head", "head"))
         val2, name, qty = max(cands2, key=lambda c: c[0])
         return name, qty, val2
@@ -370,7 +396,8 @@ class TrajectoryReport:
                 "headroom_certified": self.headroom_certified, "log_gradient_measured": self.log_gradient_measured,
                 "backward_headroom_measured": self.backward_headroom_measured,
                 "forward_headroom_measured": self.forward_headroom_measured,
-                "headroom_measured": self.headroom_measured, "ok": self.ok, "converged": self.converged,
+                "headroom_measured": self.headroom_measured, "ok": self.ok, "estimated": self.estimated,
+                "converged": self.converged,
                 "worst": {"update": name, "quantity": qty, "nats": nats}, "notes": list(self.notes),
                 "seconds": self.seconds}
 
@@ -382,10 +409,10 @@ class TrajectoryReport:
                 "logit")
         rows = [head]
         for u in self.updates:
-            rows.append((u.name, u.kind, fmt_num(u.state_norm), fmt_num(u.peak), fmt_num(u.jacobian_norm),
+            rows.append((u.name, u.kind, fmt_num(u.state_norm), fmt_num(u.peak), _opt(u.jacobian_norm),
                          f"{u.steps}{'' if u.converged else '*'}",
                          "-" if u.jacobian_bound is None else f"{fmt_num(u.jacobian_bound)} ({u.bound_source})",
-                         fmt_num(u.log_factor), "-" if u.costate_norm is None else fmt_num(u.costate_norm),
+                         _opt(u.log_factor), _opt(u.costate_norm),
                          "-" if u.kappa is None else fmt_num(u.kappa),
                          "-" if u.max_logit is None else fmt_num(u.max_logit)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
@@ -399,22 +426,30 @@ class TrajectoryReport:
                      + ("" if h.norm_certified is None or h.source == "loss"
                         else f", certified {fmt_num(h.norm_certified)}"))
         cert = self.log_gradient_bound_certified
-        lines.append(f"log ||p_0|| <= {self.log_gradient_bound:.4g} (estimate: Lanczos factors, from below)"
+        bound = self.log_gradient_bound
+        lines.append(("log ||p_0|| <= not estimated (jacobians=False)" if bound is None else
+                      f"log ||p_0|| <= {bound:.4g} (estimate: Lanczos factors, from below)")
                      + (f"; certified: {cert:.4g}" if cert is not None else "; certified: none (a factor has no "
                         "certified bound)"))
         measured = self.log_gradient_measured
         if measured is not None:
-            lines.append(f"measured: log max_k ||p_k|| = {measured:.4g} (the costates of this batch, |p_k| above; the "
-                         f"bound is {self.log_gradient_bound - measured:.3g} nats above); forward headroom as run "
-                         f"{self.forward_headroom_measured:.4g} (entries against their dtype's M)")
+            above = "" if bound is None else f"; the bound is {bound - measured:.3g} nats above"
+            lines.append(f"measured: log max_k ||p_k|| = {measured:.4g} (the costates of this batch, |p_k| "
+                         f"above{above}); forward headroom as run {self.forward_headroom_measured:.4g} (entries "
+                         "against their dtype's M)")
         lines.append(f"forward: largest state norm or intermediate {fmt_num(self.forward_max)}")
         name, qty, nats = self.worst()
-        verdict = "ok" if self.ok else "OVERFLOWS" if self.headroom < 0 else "at the limit"
+        h, used = self.headroom_on("estimate")
+        verdict = "ok" if self.ok else "OVERFLOWS" if h < 0 else "at the limit"
         hc = self.headroom_certified
-        lines.append(f"headroom {self.headroom:.4g} nats (forward {self.forward_headroom:.4g}, backward "
-                     f"{self.backward_headroom:.4g}{'' if hc is None else f'; certified {hc:.4g}'}"
-                     f"{'' if measured is None else f'; measured {self.headroom_measured:.4g}'}): {verdict}; "
-                     f"most consumed by {name!r} ({self.describe(qty, nats)})")
+        if self.headroom is None:
+            text = (f"headroom (measured) {h:.4g} nats (forward {self.forward_headroom_measured:.4g}, backward "
+                    f"{self.backward_headroom_measured:.4g}; not estimated)")
+        else:
+            text = (f"headroom {self.headroom:.4g} nats (forward {self.forward_headroom:.4g}, backward "
+                    f"{self.backward_headroom:.4g}{'' if hc is None else f'; certified {hc:.4g}'}"
+                    f"{'' if measured is None else f'; measured {self.headroom_measured:.4g}'})")
+        lines.append(f"{text}: {verdict}; most consumed by {name!r} ({self.describe(qty, nats)})")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from ..blocks.gain import ScaledBranch
 from ..budget import dtype_name
 from ..certificate import BlockCertificate
-from ..testing.record import intermediate_peaks
+from ..testing.record import intermediate_peaks, recorded_call
 
 __all__ = ["Step", "Head", "Call", "Source", "Peaks", "module_steps", "calls_steps", "token_norm_max", "tokens_of",
            "attention_kappa", "attention_max_logit", "attention_module", "named_peaks"]
@@ -132,7 +132,8 @@ class Step:
 
     ``fn64`` is its float64 twin (``None``: none), ``peak()`` returns ``(largest intermediate, largest attention
     logit or None, largest intermediate per dtype)``, ``kappa()`` the attention's query-key coefficient (``None``:
-    not an attention update).
+    not an attention update).  ``record(x)``, where there is one, runs ``fn`` on ``x`` (requiring grad) under the
+    recorder and returns ``(fn(x) with its graph, peak()'s figures)``: one forward for both.
     """
 
     name: str
@@ -146,6 +147,7 @@ class Step:
     peak: Callable[[], Tuple[float, Optional[float], Peaks]] = lambda: (0.0, None, {})
     kappa: Optional[Callable[[], float]] = None
     key: str = ""
+    record: Optional[Callable[[Tensor], Tuple[Tensor, Tuple[float, Optional[float], Peaks]]]] = None
 
 
 @dataclass
@@ -154,6 +156,8 @@ class Head:
 
     ``loss_fn`` maps the last state to a scalar loss (``p_D`` by autograd, exact); else ``fn`` maps it to the
     output (``||DG||`` by Lanczos, times ``loss_gradient``); else ``p`` is the measured costate; else ``lip_g``.
+    ``record(x)``, where there is one, computes ``loss_fn(x)`` (else ``fn(x)``) with its graph under the recorder
+    and returns it with ``peak()``'s figures: one forward for both.
     """
 
     x: Tensor
@@ -166,6 +170,7 @@ class Head:
     fn64: Optional[Fn] = None
     peak: Callable[[], Tuple[float, Peaks]] = lambda: (0.0, {})
     detail: str = ""
+    record: Optional[Callable[[Tensor], Tuple[Tensor, Tuple[float, Peaks]]]] = None
 
 
 @dataclass
@@ -238,9 +243,10 @@ def _call_fn64(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any])
     return f
 
 
-def _peak_fn(fn: Fn, x: Tensor, attn: Optional[nn.Module], samples: int
-             ) -> Callable[[], Tuple[float, Optional[float], Peaks]]:
-    def peak() -> Tuple[float, Optional[float], Peaks]:
+def _recorded_fn(fn: Fn, attn: Optional[nn.Module], samples: int
+                 ) -> Callable[[Tensor], Tuple[Tensor, Tuple[float, Optional[float], Peaks]]]:
+    """``Step.record``: ``fn`` under the recorder (and the attention's input hooked for its logits)."""
+    def record(x: Tensor) -> Tuple[Tensor, Tuple[float, Optional[float], Peaks]]:
         seen: List[Tensor] = []
         handle = None
         if attn is not None:
@@ -248,13 +254,13 @@ def _peak_fn(fn: Fn, x: Tensor, attn: Optional[nn.Module], samples: int
                 lambda mod, args, kwargs: seen.append(args[0] if args else next(iter(kwargs.values()))),
                 with_kwargs=True)
         try:
-            val, by_dtype = intermediate_peaks(fn, x.detach())
+            out, val, by_dtype = recorded_call(fn, x)
         finally:
             if handle is not None:
                 handle.remove()
         logit = attention_max_logit(attn, seen[0], samples) if attn is not None and seen else None
-        return val, logit, named_peaks(by_dtype)
-    return peak
+        return out, (val, logit, named_peaks(by_dtype))
+    return record
 
 
 def calls_steps(calls: Sequence[Call], dt: float, certs: Optional[Sequence[Optional[BlockCertificate]]] = None,
@@ -272,9 +278,11 @@ def calls_steps(calls: Sequence[Call], dt: float, certs: Optional[Sequence[Optio
         kap = None
         if attn is not None:
             kap = (lambda a=attn, k=k: kappa(k, a)) if kappa is not None else (lambda a=attn: attention_kappa(a)[0])
+        record = _recorded_fn(fn, attn, logit_samples)
         steps.append(Step(c.name, "update", x, fn, token_norm_max(x + dt * out.to(x.dtype)), dt=dt,
                           fn64=_call_fn64(c.module, c.args, c.kwargs), cert=None if certs is None else certs[k],
-                          peak=_peak_fn(fn, x, attn, logit_samples), kappa=kap, key=c.name))
+                          peak=lambda r=record, x=x: r(x.detach().requires_grad_(True))[1], kappa=kap, key=c.name,
+                          record=record))
     return steps
 
 
@@ -361,13 +369,27 @@ def module_steps(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]
 
     lg = float(getattr(model, "loss_gradient", 1.0)) if loss_gradient is None else float(loss_gradient)
     peak = lambda: _peak_only(out_fn, x_d)
+
+    def record_out(x: Tensor) -> Tuple[Tensor, Tuple[float, Peaks]]:
+        out, val, by_dtype = recorded_call(out_fn, x)
+        return out, (val, named_peaks(by_dtype))
     if loss is not None:
-        head = Head(x_d, loss_fn=lambda x: loss(out_fn(x)), peak=peak, detail="the loss's gradient at X_D (autograd)")
+        def record_loss(x: Tensor) -> Tuple[Tensor, Tuple[float, Peaks]]:
+            out, figures = record_out(x)  # the loss itself is not recorded (as before: the head's output is)
+            with torch.enable_grad():
+                return loss(out), figures
+        head = Head(x_d, loss_fn=lambda x: loss(out_fn(x)), peak=peak, detail="the loss's gradient at X_D (autograd)",
+                    record=record_loss)
     elif scalar is not None:
-        head = Head(x_d, loss_fn=lambda x: split_output(run_with_state(x))[1], peak=peak,
+        own_loss = lambda x: split_output(run_with_state(x))[1]  # noqa: E731
+
+        def record_own(x: Tensor) -> Tuple[Tensor, Tuple[float, Peaks]]:
+            val, top, by_dtype = recorded_call(own_loss, x)  # the forward that gives the logits gives the loss
+            return val, (top, named_peaks(by_dtype))
+        head = Head(x_d, loss_fn=own_loss, peak=peak, record=record_own,
                     detail="the model's own loss output, its gradient at X_D (autograd)")
     else:
-        head = Head(x_d, fn=out_fn, loss_gradient=lg, cert=head_cert, peak=peak,
+        head = Head(x_d, fn=out_fn, loss_gradient=lg, cert=head_cert, peak=peak, record=record_out,
                     detail=f"||DG(X_D)|| (Lanczos) x loss gradient bound {lg:.4g}")
         if main is None:
             raise ValueError(f"{type(model).__name__} returned no floating-point output")

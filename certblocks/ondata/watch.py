@@ -58,13 +58,20 @@ class OnDataWatch:
         basis: the headroom the alerts read (:meth:`TrajectoryReport.headroom_on`): ``"measured"`` (the batch's
             own costates where the training backward gave ``p_D``, else the estimate), ``"estimate"`` (the (T)
             bound with Lanczos factors) or ``"certified"``.
+        estimate_every: the Lanczos estimates (the ``"estimate"`` figures) at every this many checks; ``None``:
+            only where :attr:`basis` needs them (``"estimate"``, ``"certified"``, or no exact ``p_D``).
     """
 
     def __init__(self, dtype: str, *, threshold: Optional[float], horizon: Optional[int], window: int, steps: int,
-                 tol: float, logit_samples: int, basis: str = "measured") -> None:
+                 tol: float, logit_samples: int, basis: str = "measured", estimate_every: Optional[int] = None
+                 ) -> None:
         if basis not in BASES:
             raise ValueError(f"headroom_basis must be one of {', '.join(map(repr, BASES))}, got {basis!r}")
-        self.basis = basis
+        if estimate_every is not None and (isinstance(estimate_every, bool) or not isinstance(estimate_every, int)
+                                           or estimate_every < 1):
+            raise ValueError(f"estimate_every must be an int >= 1 or None, got {estimate_every!r}")
+        self.basis, self.estimate_every, self.checks = basis, estimate_every, 0
+        self.exported: Dict[Any, Any] = {}  # a model without certified blocks: its exported graph across checks
         self.dtype = dtype
         self.threshold, self.horizon, self.window = threshold, horizon, window
         self.steps, self.tol, self.logit_samples = steps, tol, logit_samples
@@ -73,6 +80,12 @@ class OnDataWatch:
         self.last: Optional[TrajectoryReport] = None
 
     # -- computing --------------------------------------------------------------------------------------------
+    def _jacobians(self) -> Optional[bool]:
+        """``evaluate``'s ``jacobians`` at this check: ``True``, or ``None`` (only without an exact ``p_D``)."""
+        self.checks += 1
+        every = self.estimate_every is not None and (self.checks - 1) % self.estimate_every == 0
+        return True if self.basis != "measured" or every else None
+
     def from_calls(self, calls: Sequence[Call], *, dt: float, certs: Optional[Sequence[Any]], p_d: Optional[Tensor],
                    lip_g: float, kappas: Dict[int, float], state: AutocastState, model: str) -> TrajectoryReport:
         """The report of velocity calls captured in the training forward (``p_d``: the measured costate at
@@ -91,7 +104,8 @@ class OnDataWatch:
             else:
                 head = Head(x_d, lip_g=lip_g, detail="Lip(G) of the certificate (no backward seen for this batch)")
             src = Source(steps, head, token_norm_max(calls[0].x))
-            rep = evaluate(src, self.dtype, model=model, steps=self.steps, tol=self.tol, dense_max=0, warm=self.warm)
+            rep = evaluate(src, self.dtype, model=model, steps=self.steps, tol=self.tol, dense_max=0, warm=self.warm,
+                           jacobians=self._jacobians())
         rep.seconds = time.perf_counter() - t0
         self.last = rep
         return rep
@@ -101,7 +115,8 @@ class OnDataWatch:
         """The report of a whole model on a captured call (a model without certified blocks: its graph)."""
         with restored_autocast(state):
             rep = trajectory_of_call(model, batch[0], batch[1], self.dtype, certified=False, steps=self.steps,
-                                     tol=self.tol, logit_samples=self.logit_samples, warm=self.warm)
+                                     tol=self.tol, logit_samples=self.logit_samples, warm=self.warm,
+                                     jacobians=self._jacobians(), capture_cache=self.exported)
         self.last = rep
         return rep
 

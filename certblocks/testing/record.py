@@ -103,19 +103,21 @@ def as_atom(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
-def _run(f: Velocity, x: Tensor) -> Tuple[_Recorder, Tensor]:
-    """``f(x)`` under a recorder (``x`` made to require grad so that dependence is seen): the recorder and ``x``."""
+def _run(f: Velocity, x: Tensor) -> Tuple[_Recorder, Tensor, Any]:
+    """``f(x)`` under a recorder (``x`` made to require grad so that dependence is seen): the recorder, ``x`` and
+    the output (with its autograd graph)."""
     if not x.requires_grad:
         x = x.detach().requires_grad_(True)
     with torch.enable_grad(), _Recorder(x) as mode:
-        mode.record(f(x))
-    return mode, x
+        out = f(x)
+        mode.record(out)
+    return mode, x, out
 
 
 def _record(f: Velocity, x: Tensor) -> Tuple[Tensor, Tensor]:
     """The largest ``|entry|`` computed from ``x`` (scalar) and a per-sample estimate ``(B,)`` that reads the
     recorded tensors whose first dimension is the batch (it ranks the draws and drives every ascent)."""
-    mode, x = _run(f, x)
+    mode, x, _ = _run(f, x)
     zero = torch.zeros((), dtype=torch.float64, device=x.device)
     total = torch.stack(mode.values).amax() if mode.values else zero
     return total, torch.stack(mode.samples).amax(dim=0) if mode.samples else zero.expand(x.shape[0])
@@ -124,10 +126,22 @@ def _record(f: Velocity, x: Tensor) -> Tuple[Tensor, Tensor]:
 def intermediate_peaks(f: Velocity, x: Tensor) -> Tuple[float, Dict[torch.dtype, float]]:
     """:func:`largest_intermediate` as a float, and the largest ``|entry|`` per dtype of the recorded tensors (under
     autocast a float32 residual stream and float16 matmul outputs are told apart); NaN counts as ``inf``."""
-    mode, _ = _run(f, x)
+    return _peaks_of(_run(f, x)[0])
+
+
+def recorded_call(f: Velocity, x: Tensor) -> Tuple[Any, float, Dict[torch.dtype, float]]:
+    """``f(x)`` with its autograd graph kept (``x`` must require grad), and :func:`intermediate_peaks`'s figures of
+    the same run: one forward serves the recorder and later products through the graph."""
+    if not x.requires_grad:
+        raise ValueError("recorded_call needs an x that requires grad (its graph is kept for the caller)")
+    mode, _, out = _run(f, x)
+    return (out, *_peaks_of(mode))
+
+
+def _peaks_of(mode: _Recorder) -> Tuple[float, Dict[torch.dtype, float]]:
     by_dtype: Dict[torch.dtype, float] = {}
-    for v, dt in zip(mode.values, mode.dtypes):
-        val = float(v.detach())
+    values = torch.stack(mode.values).detach().tolist() if mode.values else []  # one transfer, not one per tensor
+    for val, dt in zip(values, mode.dtypes):
         val = math.inf if math.isnan(val) else val
         by_dtype[dt] = max(by_dtype.get(dt, 0.0), val)
     return max(by_dtype.values(), default=0.0), by_dtype

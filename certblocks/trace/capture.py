@@ -239,11 +239,37 @@ def _quiet_torch_logs() -> Iterator[None]:
             logging.getLogger(n).setLevel(level)
 
 
-def capture(module: nn.Module, args: Tuple[Any, ...], kwargs: Optional[Dict[str, Any]] = None) -> CapturedGraph:
+def _export_key(module: nn.Module, leaves: Sequence[Any], spec: Any) -> Tuple[Any, ...]:
+    """What an exported program depends on besides the values of its tensors: the inputs' shapes, dtypes and
+    devices and the other arguments' values, the modules (types, training flags, hooks), the identity of every
+    parameter and buffer (the program reads them by reference: values updated in place are seen), autocast and
+    grad mode."""
+    sig = tuple((tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else ("value", repr(x))
+                for x in leaves)
+    mods = tuple((n, type(m), m.training, len(m._forward_hooks), len(m._forward_pre_hooks))
+                 for n, m in module.named_modules())
+    tensors = tuple(id(t) for t in module.parameters()) + tuple(id(t) for t in module.buffers())
+    amp = []
+    for dev in ("cpu", "cuda"):
+        try:
+            amp.append((dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)))
+        except (RuntimeError, TypeError, AttributeError):  # pragma: no cover - older torch
+            amp.append((dev, None, None))
+    return id(module), str(spec), sig, mods, tensors, tuple(amp), torch.is_grad_enabled()
+
+
+def capture(module: nn.Module, args: Tuple[Any, ...], kwargs: Optional[Dict[str, Any]] = None, *,
+            cache: Optional[Dict[Any, Any]] = None) -> CapturedGraph:
     """Export ``module`` on ``args``/``kwargs`` and run the graph once.
 
     HF models get ``use_cache=False`` when their forward accepts it.  Raises
     :class:`CaptureError` naming both export attempts' errors when neither works.
+
+    Args:
+        cache: a dict that keeps exported programs across calls (a monitor's checks): a call whose inputs have the
+            same shapes, dtypes and other arguments, on the same modules, parameters (by identity: values
+            updated in place are read again), autocast and grad mode, runs the program already exported instead
+            of exporting again.  It keeps the last 4 programs.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
@@ -254,6 +280,11 @@ def capture(module: nn.Module, args: Tuple[Any, ...], kwargs: Optional[Dict[str,
         params = {}
     if "use_cache" in params and "use_cache" not in kwargs:
         kwargs["use_cache"] = False
+    leaves, spec = torch.utils._pytree.tree_flatten((tuple(args), kwargs))
+    key = _export_key(module, leaves, spec) if cache is not None else None
+    if cache is not None and key in cache:
+        ep, strict = cache[key]
+        return CapturedGraph(ep, module, _user_leaves(ep, leaves), strict)
     wrapper = _Wrapper(module)
     errors = []
     for strict in (False, True):
@@ -272,9 +303,16 @@ def capture(module: nn.Module, args: Tuple[Any, ...], kwargs: Optional[Dict[str,
         except Exception as exc:
             raise CaptureError(f"the graph of {type(module).__name__} has in-place ops and could not be "
                                f"functionalized: {type(exc).__name__}: {exc}") from exc
-    # user inputs in the exported order (pytree flattening of args then kwargs)
-    leaves, _ = torch.utils._pytree.tree_flatten((tuple(args), kwargs))
+    if cache is not None:
+        while len(cache) >= 4:
+            cache.pop(next(iter(cache)))
+        cache[key] = (ep, strict)
+    return CapturedGraph(ep, module, _user_leaves(ep, leaves), strict)
+
+
+def _user_leaves(ep: Any, leaves: List[Any]) -> List[Any]:
+    """The user inputs in the exported order (pytree flattening of args then kwargs)."""
     n_user = sum(1 for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT")
     if len(leaves) != n_user:
         leaves = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-    return CapturedGraph(ep, module, leaves, strict)
+    return leaves

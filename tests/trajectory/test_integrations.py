@@ -38,7 +38,7 @@ def _trainer(tmp_path, callback, steps: int = 4):
 
 
 def test_callback_runs_the_monitor_inside_trainer(tmp_path, caplog) -> None:
-    cb = CertificateCallback(every=2)
+    cb = CertificateCallback(every=2, estimate_every=1)  # the Lanczos figures too (by default: measured only)
     trainer = _trainer(tmp_path, cb)
     with caplog.at_level(logging.INFO, logger="transformers.trainer"):
         trainer.train()
@@ -62,4 +62,7 @@ def test_alert_is_a_warning_and_can_stop_training(tmp_path, caplog) -> None:
         trainer.train()
     assert trainer.state.global_step == 1  # stopped at the end of the first step
     assert len(cb.alerts) == 1 and cb.alerts[0]["quantity"] == "headroom"
+    rec = cb.monitor.records[0]  # by default a check on the measured basis runs no Lanczos estimate
+    assert rec["data/alert_basis"] == "measured" and rec["data/headroom"] is None
+    assert rec["transformer.h.0.attn/jacobian_norm"] is None and rec["transformer.h.0.attn/data_costate_norm"] > 0
     assert any("certblocks: step 0: on-data headroom" in r.getMessage() for r in caplog.records)

@@ -48,7 +48,7 @@ def _data_alerts(mon: CertificateMonitor, quantity: Optional[str] = None) -> Lis
 
 
 def test_alert_before_divergence_and_none_on_a_stable_run() -> None:
-    bad, mon = _run(True, 60)
+    bad, mon = _run(True, 60, estimate_every=1)  # the Lanczos estimates too, to compare the bases
     assert bad is not None  # the run diverges
     alerts = _data_alerts(mon, "headroom")
     assert alerts and alerts[0]["step"] < bad  # the on-data alert comes before the first non-finite loss
@@ -66,6 +66,8 @@ def test_alert_before_divergence_and_none_on_a_stable_run() -> None:
     ok, stable = _run(False, 30)
     assert ok is None and _data_alerts(stable) == []
     assert all(r["data/alert_headroom"] > 5.0 for r in stable.records)
+    # by default a check on the measured basis runs no Lanczos estimate
+    assert all(r["data/headroom"] is None and r["blocks.0/jacobian_norm"] is None for r in stable.records)
     # the worst-case margins are recorded, and do not alert by default
     assert "stack/margin_grad" in stable.records[-1] and not any("margin" in a["quantity"] for a in stable.alerts)
 

@@ -52,7 +52,7 @@ def test_ddp_wrapped_model_gives_the_unwrapped_figures(gloo) -> None:
     assert a.log_gradient_bound == pytest.approx(b.log_gradient_bound, rel=1e-9)
     assert a.headroom == pytest.approx(b.headroom, rel=1e-9)
     # the monitor on the wrapped model, in a training step (forward and backward through DDP)
-    mon = CertificateMonitor(ddp, "bf16", every=1, threshold=-1e9)
+    mon = CertificateMonitor(ddp, "bf16", every=1, threshold=-1e9, estimate_every=1)
     for _ in range(2):
         ddp(x).square().mean().backward()
         rec = mon.step()
