@@ -56,3 +56,19 @@ def test_bad_batch_file_is_one_line(capsys, tmp_path) -> None:
     torch.save(torch.randn(2, 5), wrong)  # floats where the model takes token ids
     code, _, err = run(capsys, "trajectory", "gpt2_qknorm_test", "--batch", str(wrong))
     assert code == 2 and len(err.splitlines()) == 1 and "gpt2_qknorm_test on --batch" in err
+
+
+def test_no_jacobians_needs_targets_and_plots_the_measured_side(capsys, tmp_path) -> None:
+    batch = tmp_path / "b.pt"
+    torch.save((torch.randint(0, 50, (2, 5)), torch.randint(0, 50, (2, 5))), batch)  # (idx, targets)
+    png = tmp_path / "h.png"
+    code, out, err = run(capsys, "trajectory", "gpt2_qknorm_test", "--batch", str(batch), "--no-jacobians",
+                         "--json", "--plot", str(png))
+    assert code == 0, err
+    doc = json.loads(out)["trajectory"]
+    assert doc["estimated"] is False and doc["headroom"] is None and doc["headroom_measured"] > 0
+    assert all(u["jacobian_norm"] is None and u["costate_norm"] > 0 for u in doc["updates"])
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    # the example input has no targets: no exact costate, a one-line usage error
+    code, out, err = run(capsys, "trajectory", "gpt2_qknorm_test", "--seq-len", "6", "--no-jacobians")
+    assert code == 2 and out == "" and "jacobians=False needs the exact costate" in err
