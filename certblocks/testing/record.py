@@ -6,6 +6,7 @@ Python function one call.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -25,9 +26,10 @@ class _Recorder(TorchFunctionMode):
 
     active: List[_Recorder] = []  # the recording modes, innermost last
 
-    def __init__(self, x: Tensor) -> None:
+    def __init__(self, x: Tensor, differentiable: bool = True) -> None:
         super().__init__()
         self.x, self.batch, self.paused = x, x.shape[0], 0
+        self.differentiable = differentiable  # False: the recorded maxima carry no graph (no float64 copy kept)
         self.reach: Dict[Any, bool] = {}  # autograd node -> whether it reaches x
         self.values: List[Tensor] = []  # one scalar per recorded tensor
         self.samples: List[Tensor] = []  # (B,) per recorded tensor whose first dimension is the batch
@@ -63,6 +65,10 @@ class _Recorder(TorchFunctionMode):
         return self.reach[root]
 
     def record(self, out: Any) -> None:
+        with contextlib.nullcontext() if self.differentiable else torch.no_grad():
+            self._record(out)
+
+    def _record(self, out: Any) -> None:
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, Tensor) and t.is_floating_point() and t.numel() and self.depends(t):
                 a = t.masked_fill(t <= torch.finfo(t.dtype).min / 4, 0.0).abs().to(torch.float64)
@@ -103,12 +109,12 @@ def as_atom(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
-def _run(f: Velocity, x: Tensor) -> Tuple[_Recorder, Tensor, Any]:
+def _run(f: Velocity, x: Tensor, differentiable: bool = True) -> Tuple[_Recorder, Tensor, Any]:
     """``f(x)`` under a recorder (``x`` made to require grad so that dependence is seen): the recorder, ``x`` and
-    the output (with its autograd graph)."""
+    the output (with its autograd graph); ``differentiable``: the recorded maxima too."""
     if not x.requires_grad:
         x = x.detach().requires_grad_(True)
-    with torch.enable_grad(), _Recorder(x) as mode:
+    with torch.enable_grad(), _Recorder(x, differentiable) as mode:
         out = f(x)
         mode.record(out)
     return mode, x, out
@@ -126,7 +132,7 @@ def _record(f: Velocity, x: Tensor) -> Tuple[Tensor, Tensor]:
 def intermediate_peaks(f: Velocity, x: Tensor) -> Tuple[float, Dict[torch.dtype, float]]:
     """:func:`largest_intermediate` as a float, and the largest ``|entry|`` per dtype of the recorded tensors (under
     autocast a float32 residual stream and float16 matmul outputs are told apart); NaN counts as ``inf``."""
-    return _peaks_of(_run(f, x)[0])
+    return _peaks_of(_run(f, x, differentiable=False)[0])
 
 
 def recorded_call(f: Velocity, x: Tensor) -> Tuple[Any, float, Dict[torch.dtype, float]]:
@@ -134,7 +140,7 @@ def recorded_call(f: Velocity, x: Tensor) -> Tuple[Any, float, Dict[torch.dtype,
     the same run: one forward serves the recorder and later products through the graph."""
     if not x.requires_grad:
         raise ValueError("recorded_call needs an x that requires grad (its graph is kept for the caller)")
-    mode, _, out = _run(f, x)
+    mode, _, out = _run(f, x, differentiable=False)
     return (out, *_peaks_of(mode))
 
 
