@@ -32,7 +32,7 @@ import os
 import sysconfig
 import time
 import warnings
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -204,7 +204,8 @@ def train(form: str, data: torch.Tensor, args: argparse.Namespace) -> Dict[str, 
             "margin_grad": [[r["step"], r["stack/margin_grad"]] for r in mon.records]}
 
 
-def plot(results: List[Dict[str, Any]], args: argparse.Namespace) -> None:
+def plot(results: List[Dict[str, Any]], args: argparse.Namespace, path: Optional[str] = None) -> None:
+    """Loss, kappa and on-data headroom against steps, into ``path`` (default ``out/monitor_gpt<tag>_loss.png``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -238,11 +239,12 @@ def plot(results: List[Dict[str, Any]], args: argparse.Namespace) -> None:
     ax[1].legend()
     ax[2].axhline(1.0, ls="--", color="gray", lw=0.8)
     ax[2].set_xlabel("step")
-    ax[2].set_title("on-data headroom, nats (solid: alerts' basis; dashed: (T) estimate; dotted: non-finite)",
+    ax[2].set_title("on-data headroom, nats\n(solid: alerts' basis; dashed: (T) estimate; dotted: non-finite)",
                     fontsize=9)
     ax[2].legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(OUT, f"monitor_gpt{args.tag}_loss.png"), dpi=110)
+    fig.savefig(path or os.path.join(OUT, f"monitor_gpt{args.tag}_loss.png"), dpi=110)
+    plt.close(fig)
 
 
 def main(argv: Any = None) -> Dict[str, Any]:
@@ -270,7 +272,15 @@ def main(argv: Any = None) -> Dict[str, Any]:
                    help="Lanczos estimates at every this many checks (default 1: both bases recorded for "
                         "monitor_rules.py; 0: only where the alert basis needs them, the monitor's default)")
     p.add_argument("--tag", default="", help="suffix of the output files (runs side by side)")
+    p.add_argument("--replot", nargs=2, metavar=("JSON", "PNG"), default=None,
+                   help="draw the figure of a saved run (its monitor_gpt*.json) into PNG, and exit")
     args = p.parse_args(argv)
+    if args.replot:
+        with open(args.replot[0]) as fh:
+            doc = json.load(fh)
+        saved = argparse.Namespace(**{**vars(args), **doc["summary"]["args"]})
+        plot(doc["curves"], saved, args.replot[1])
+        return doc["summary"]
     if args.quick:
         args.layers, args.width, args.block, args.steps = 4, 128, 64, min(args.steps, 150)
     os.makedirs(OUT, exist_ok=True)
