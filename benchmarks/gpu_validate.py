@@ -1315,9 +1315,8 @@ def _load_source(path: Path, name: str):
     return mod
 
 
-def _sm90(fn, consts: Dict[str, Any], warps: int, dtype: str = "bf16", fp32_out: Sequence[str] = ()):
-    """Compile ``fn`` for sm_90 ahead of time; every pointer bf16 (i32 for sequence indices, fp32 for the
-    arguments in ``fp32_out``), ints i32."""
+def _sm90(fn, consts: Dict[str, Any], warps: int, dtype: str = "bf16"):
+    """Compile ``fn`` for sm_90 ahead of time; every pointer bf16 (i32 for sequence indices), ints i32."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -1330,8 +1329,7 @@ def _sm90(fn, consts: Dict[str, Any], warps: int, dtype: str = "bf16", fp32_out:
         if a in consts:
             sig[a] = "constexpr"
         elif a.endswith("_ptr"):
-            io = a in float_io and a not in fp32_out
-            sig[a] = "*i32" if a in ("seq_ptr", "lastidx_ptr") else ("*" + dtype if io else "*fp32")
+            sig[a] = "*i32" if a in ("seq_ptr", "lastidx_ptr") else ("*" + dtype if a in float_io else "*fp32")
         else:
             sig[a] = "i32"
     return triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
@@ -1384,18 +1382,17 @@ def _sass_stats(kernel) -> Dict[str, Any]:
 
 def static_rows(old_source: Optional[Path]) -> List[Dict[str, Any]]:
     """One row per (kernel, version, dstate): the figures of :func:`_sass_stats` and warp-instructions per
-    (b, d, t) element = hot-loop SASS x warps / (b, d, t) elements one loop iteration covers, times the programs
-    that cover one element (the backward's state tiles, ``NT``; their du / ddelta / dz are float32 partials)."""
+    (b, d, t) element = hot-loop SASS x warps / (b, d, t) elements one loop iteration covers, times the passes
+    of the loop over one element (the backward's state tiles, ``NT``, run one after the other by a program)."""
     from certblocks.kernels import triton_scan as new
 
     flags = dict(HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, GATE=1, HAS_RESET=False)
     dec = dict(HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, GATE=1)
     rows = []
 
-    def row(kernel, version, n, fn, consts, warps, elems, extra="", programs=1):
-        fp32_out = ("du_ptr", "ddelta_ptr", "dz_ptr") if programs > 1 else ()
-        st = _sass_stats(_sm90(fn, consts, warps, fp32_out=fp32_out))
-        per = (st["loop_sass"] if kernel != "decode" else st["sass"]) * warps * programs / elems
+    def row(kernel, version, n, fn, consts, warps, elems, extra="", passes=1):
+        st = _sass_stats(_sm90(fn, consts, warps))
+        per = (st["loop_sass"] if kernel != "decode" else st["sass"]) * warps * passes / elems
         rows.append(dict(kernel=kernel, version=version, dstate=n, warps=warps, config=extra,
                          warp_instr_per_elem=round(per, 1), **st))
 
@@ -1412,9 +1409,9 @@ def static_rows(old_source: Optional[Path]) -> List[Dict[str, Any]]:
             f"{bd} ch x {T} steps")
         c = new.bwd_config(4096, n, T)
         w = c.pop("num_warps")
-        tiles = f" x {c['NT']} state tiles" if c["NT"] > 1 else ""
+        tiles = f" x {c['NT']} state tiles in turn" if c["NT"] > 1 else ""
         row("backward", "new", n, new._scan_bwd_kernel, dict(T=T, HAS_DLAST=True, FAST=True, **c, **flags), w,
-            c["BLOCK_D"] * c["BT"], f"{c['BLOCK_D']} ch x {c['BT']} steps, {w} warps{tiles}", programs=c["NT"])
+            c["BLOCK_D"] * c["BT"], f"{c['BLOCK_D']} ch x {c['BT']} steps, {w} warps{tiles}", passes=c["NT"])
         row("decode", "new", n, new._state_update_kernel, dict(BLOCK_D=32, BLOCK_N=n, **dec), 4, 32, "32 ch")
     return rows
 

@@ -28,10 +28,12 @@ blocks elementwise in registers, are summed over the block's channels once per s
 per-program partials, summed afterwards in torch in a fixed order (deterministic, no atomics); ``dA``, ``dD``,
 ``ddelta_bias`` are per-batch partials accumulated by their program and summed afterwards.  ``du``, ``ddelta``,
 ``dz`` are written in the inputs' dtypes.  On a GPU the softplus uses ``lg2.approx`` (``FAST``).  More than
-``BWD_STATES`` (16) states: the grid's third axis runs over tiles of 16 states, each program as at dstate 16
-(64 states in one program spilled registers); ``du``, ``ddelta``, ``dz``, ``ddelta_bias`` (sums over the
-states) are then float32 per-tile partials summed afterwards in the same fixed order, the terms in ``D`` and
-``dD`` from the first tile.
+``BWD_STATES`` (16) states: inside each block of steps the program runs over tiles of 16 states one after the
+other, each as at dstate 16 (64 states at once spilled registers), the tile's adjoint carried in ``lamc`` like
+the others; ``du``, ``ddelta``, ``dz`` (sums over the states) are summed over the tiles in float32 in a
+scratch of the program's ``(BT steps, channels)`` (``(batch, dim, 3, BT)``, reused by every block: no per-step
+buffer) and written once, in the inputs' dtypes, by the last tile; the terms in ``D`` and ``dD`` from the first
+tile, ``ddelta_bias`` from the last (fixed order, deterministic, one writer an element).
 
 ``cu_seqlens``: turned on the device (``torch.searchsorted``, no host sync) into a per-step sequence
 index ``seq``; the kernels read it: the decay is zeroed where ``seq`` changes (the state restarts from
@@ -54,7 +56,7 @@ _GATES = {None: 0, "silu": 1, "sigmoid": 2}
 LOG2E = 1.4426950408889634
 FWD_TILE = 8192  # elements of one (T, BLOCK_D, BLOCK_N) tile of the forward
 BWD_CHANNELS = 64  # channels of one backward program (dB / dC reduced over them in the program)
-BWD_STATES = 16  # states of one backward program (more states: programs over state tiles, their sums partials)
+BWD_STATES = 16  # states of one backward pass over a block (more states: the program runs over state tiles)
 
 
 @triton.jit
@@ -236,7 +238,7 @@ def _delta_f(delta_ptr, offs, mask, bias, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.c
 def _scan_bwd_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, seq_ptr,
     dout_ptr, dlast_ptr, ckpt_ptr, lamc_ptr,
-    du_ptr, ddelta_ptr, dz_ptr, dA_ptr, dD_ptr, dbias_ptr, dBp_ptr, dCp_ptr,
+    du_ptr, ddelta_ptr, dz_ptr, dA_ptr, dD_ptr, dbias_ptr, dBp_ptr, dCp_ptr, acc_ptr,
     L, DIM, N, H, NPROG,
     s_ub, s_ud, s_ul, s_tb, s_td, s_tl, s_zb, s_zd, s_zl, s_gb, s_gd, s_gl,
     s_Bb, s_Bg, s_Bn, s_Bl,
@@ -246,47 +248,22 @@ def _scan_bwd_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     GATE: tl.constexpr, HAS_RESET: tl.constexpr, HAS_DLAST: tl.constexpr, FAST: tl.constexpr,
 ):
-    # tiles (BT, NP, BLOCK_D, NL): state n = p * NL + l of the program's state tile; steps and the NP states of
-    # a lane in one thread
+    # tiles (BT, NP, BLOCK_D, NL): state n = k * NP * NL + p * NL + l of the state tile k; steps and the NP
+    # states of a lane in one thread
     pid_b = tl.program_id(0).to(tl.int64)
     nb = tl.num_programs(0)
     pid_p = tl.program_id(1)
-    if NT > 1:
-        # state tile pid_k: the per-state arrays from its first state (the offsets in the loop are the tile's);
-        # du, ddelta, dz, ddelta_bias are per-tile partials (NT, batch, ...)
-        pid_k = tl.program_id(2)
-        n0 = pid_k * NP * NL
-        A_ptr += n0
-        B_ptr += n0 * s_Bn
-        C_ptr += n0 * s_Cn
-        dlast_ptr += n0
-        ckpt_ptr += n0
-        lamc_ptr += n0
-        dA_ptr += n0
-        dBp_ptr += n0.to(tl.int64) * L
-        dCp_ptr += n0.to(tl.int64) * L
-        part = pid_k.to(tl.int64) * nb * DIM
-        du_ptr += part * L
-        ddelta_ptr += part * L
-        dz_ptr += part * L
-        dbias_ptr += part
-    else:
-        pid_k = 0
-        n0 = 0
-    # the state tile that adds the terms not summed over the states (D u, dy D) and writes dD (the tiles run
-    # concurrently: one writer)
-    k0 = pid_k == 0
     R: tl.constexpr = T // BT  # backward steps per forward checkpoint interval
     offs_t = tl.arange(0, BT)
     first = (offs_t == 0)[:, None, None, None]
     lastt = (offs_t == BT - 1)[:, None, None, None]
-    offs_n = tl.arange(0, NP)[:, None] * NL + tl.arange(0, NL)[None, :]  # (NP, NL)
-    mask_n = offs_n < N - n0
+    offs_n0 = tl.arange(0, NP)[:, None] * NL + tl.arange(0, NL)[None, :]  # (NP, NL)
     g = ((pid_p * NSUB * BLOCK_D) // H).to(tl.int64)  # a program never straddles two groups
     Bp = B_ptr + pid_b * s_Bb + g * s_Bg  # scalar bases; per-state offsets are built in the loop
     Cp = C_ptr + pid_b * s_Cb + g * s_Cg
     dBp = dBp_ptr + (pid_b * NPROG + pid_p) * N * L  # rows of the dB / dC partials
     dCp = dCp_ptr + (pid_b * NPROG + pid_p) * N * L
+    acc_p = acc_ptr + (pid_b * DIM + pid_p * NSUB * BLOCK_D) * (3 * BT)  # the program's tile sums (NT > 1)
     nck = tl.cdiv(L, BT)
     for cr in range(0, nck):
         cb = nck - 1 - cr
@@ -294,126 +271,149 @@ def _scan_bwd_kernel(
         t = cb * BT + offs_t
         mask_t = t < L
         t64 = t.to(tl.int64)
-        m_nt = mask_t[:, None, None] & mask_n[None, :, :]
-        n64 = offs_n.to(tl.int64)[None, :, :]
-        B4 = tl.load(Bp + n64 * s_Bn + t64[:, None, None] * s_Bl, mask=m_nt, other=0.0).to(tl.float32)[:, :, None, :]
-        C4 = tl.load(Cp + n64 * s_Cn + t64[:, None, None] * s_Cl, mask=m_nt, other=0.0).to(tl.float32)[:, :, None, :]
         keep1 = (t + 1) < L
         if HAS_RESET:
             sq = tl.load(seq_ptr + t, mask=mask_t, other=-1)
             sq_prev = tl.load(seq_ptr + t - 1, mask=mask_t & (t > 0), other=-1)
             sq_next = tl.load(seq_ptr + t + 1, mask=keep1, other=-1)
             keep1 = keep1 & (sq_next == sq)
-        dB_acc = tl.zeros((BT, NP, BLOCK_D, NL), dtype=tl.float32)
-        dC_acc = tl.zeros((BT, NP, BLOCK_D, NL), dtype=tl.float32)
-        for sub in range(0, NSUB):
-            offs_d = (pid_p * NSUB + sub) * BLOCK_D + tl.arange(0, BLOCK_D)
-            mask_d = offs_d < DIM
-            d64 = offs_d.to(tl.int64)
-            dn = d64[None, :, None] * N + offs_n[:, None, :]  # (NP, BLOCK_D, NL)
-            mask_dn = mask_d[None, :, None] & mask_n[:, None, :]
-            A4 = tl.load(A_ptr + dn, mask=mask_dn, other=0.0).to(tl.float32)[None]
-            A2 = A4 * 1.4426950408889634
-            Dv = tl.load(D_ptr + offs_d, mask=mask_d & HAS_D & k0, other=0.0).to(tl.float32)
-            bias = tl.load(bias_ptr + offs_d, mask=mask_d & HAS_BIAS, other=0.0).to(tl.float32)
-            u_row = u_ptr + pid_b * s_ub + d64 * s_ud
-            t_row = delta_ptr + pid_b * s_tb + d64 * s_td
-            o_row = pid_b * DIM * L + d64 * L  # du, ddelta, dz: (batch, dim, L) contiguous
-            m_dt = mask_t[:, None] & mask_d[None, :]
-            uu = tl.load(u_row[None, :] + t64[:, None] * s_ul, mask=m_dt, other=0.0).to(tl.float32)
-            raw, dt = _delta_f(t_row[None, :] + t64[:, None] * s_tl, 0, m_dt, bias, HAS_BIAS, SOFTPLUS, FAST)
-            dt = tl.where(m_dt, dt, 0.0)  # past the end: a = 1, b = 0
-            raw1, dt1 = _delta_f(t_row[None, :] + (t64[:, None] + 1) * s_tl, 0, keep1[:, None] & mask_d[None, :],
-                                 bias, HAS_BIAS, SOFTPLUS, FAST)
-            dt1 = tl.where(keep1[:, None], dt1, 0.0)  # a_{t+1} = 1 past the end (carries dlast in)
-            dout = tl.load(dout_ptr + pid_b * s_gb + d64[None, :] * s_gd + t64[:, None] * s_gl, mask=m_dt,
-                           other=0.0).to(tl.float32)
-            if c > 0:
-                h0 = tl.load(ckpt_ptr + ((c - 1) * nb + pid_b) * DIM * N + dn, mask=mask_dn, other=0.0)
-            else:
-                h0 = tl.zeros((NP, BLOCK_D, NL), dtype=tl.float32)
-            for w in tl.static_range(R - 1):  # the state at this block's start: scan the earlier blocks of c
-                if w < cb % R:
-                    tw64 = (c * T + w * BT + offs_t).to(tl.int64)
-                    uw = tl.load(u_row[None, :] + tw64[:, None] * s_ul, mask=mask_d[None, :], other=0.0)
-                    raw_w, dtw = _delta_f(t_row[None, :] + tw64[:, None] * s_tl, 0, mask_d[None, :], bias,
-                                          HAS_BIAS, SOFTPLUS, FAST)
-                    Bw = tl.load(Bp + n64 * s_Bn + tw64[:, None, None] * s_Bl, mask=mask_n[None, :, :], other=0.0)
-                    aw = tl.exp2(dtw[:, None, :, None] * A2)
-                    if HAS_RESET:
-                        sw = tl.load(seq_ptr + tw64)
-                        sw_prev = tl.load(seq_ptr + tw64 - 1, mask=tw64 > 0, other=-1)
-                        aw = tl.where((sw == sw_prev)[:, None, None, None], aw, 0.0)
-                    bw = (dtw * uw.to(tl.float32))[:, None, :, None] * Bw.to(tl.float32)[:, :, None, :]
-                    aw_c, hw = tl.associative_scan((aw, bw + tl.where(first, aw * h0[None], -0.0)), 0, _affine)
-                    h0 = tl.sum(tl.where(lastt, hw, -0.0), axis=0)
-            dt4 = dt[:, None, :, None]
-            dtu = dt * uu
-            dtu4 = dtu[:, None, :, None]
-            a = tl.exp2(dt4 * A2)
-            if HAS_RESET:
-                a = tl.where((sq == sq_prev)[:, None, None, None], a, 0.0)
-            # h_t = a_t h_{t-1} + b_t, the chunk's entering state folded into its first step
-            ac, hs = tl.associative_scan((a, dtu4 * B4 + tl.where(first, a * h0[None], -0.0)), 0, _affine)
-            if HAS_Z:
-                zz = tl.load(z_ptr + pid_b * s_zb + d64[None, :] * s_zd + t64[:, None] * s_zl, mask=m_dt,
-                             other=0.0).to(tl.float32)
-                sz = _sigmoid_fast(zz)
-                if GATE == 1:
-                    gz = zz * sz
-                    gp = sz * (1.0 + zz * (1.0 - sz))
+        for k in range(0, NT):  # the state tiles, one after the other (NT == 1: no loop)
+            offs_n = k * (NP * NL) + offs_n0
+            mask_n = offs_n < N
+            m_nt = mask_t[:, None, None] & mask_n[None, :, :]
+            n64 = offs_n.to(tl.int64)[None, :, :]
+            B4 = tl.load(Bp + n64 * s_Bn + t64[:, None, None] * s_Bl, mask=m_nt, other=0.0)
+            B4 = B4.to(tl.float32)[:, :, None, :]
+            C4 = tl.load(Cp + n64 * s_Cn + t64[:, None, None] * s_Cl, mask=m_nt, other=0.0)
+            C4 = C4.to(tl.float32)[:, :, None, :]
+            dB_acc = tl.zeros((BT, NP, BLOCK_D, NL), dtype=tl.float32)
+            dC_acc = tl.zeros((BT, NP, BLOCK_D, NL), dtype=tl.float32)
+            for sub in range(0, NSUB):
+                offs_d = (pid_p * NSUB + sub) * BLOCK_D + tl.arange(0, BLOCK_D)
+                mask_d = offs_d < DIM
+                d64 = offs_d.to(tl.int64)
+                dn = d64[None, :, None] * N + offs_n[:, None, :]  # (NP, BLOCK_D, NL)
+                mask_dn = mask_d[None, :, None] & mask_n[:, None, :]
+                A4 = tl.load(A_ptr + dn, mask=mask_dn, other=0.0).to(tl.float32)[None]
+                A2 = A4 * 1.4426950408889634
+                Dv = tl.load(D_ptr + offs_d, mask=mask_d & HAS_D & (k == 0), other=0.0).to(tl.float32)
+                bias = tl.load(bias_ptr + offs_d, mask=mask_d & HAS_BIAS, other=0.0).to(tl.float32)
+                u_row = u_ptr + pid_b * s_ub + d64 * s_ud
+                t_row = delta_ptr + pid_b * s_tb + d64 * s_td
+                o_row = pid_b * DIM * L + d64 * L  # du, ddelta, dz: (batch, dim, L) contiguous
+                m_dt = mask_t[:, None] & mask_d[None, :]
+                uu = tl.load(u_row[None, :] + t64[:, None] * s_ul, mask=m_dt, other=0.0).to(tl.float32)
+                raw, dt = _delta_f(t_row[None, :] + t64[:, None] * s_tl, 0, m_dt, bias, HAS_BIAS, SOFTPLUS, FAST)
+                dt = tl.where(m_dt, dt, 0.0)  # past the end: a = 1, b = 0
+                raw1, dt1 = _delta_f(t_row[None, :] + (t64[:, None] + 1) * s_tl, 0, keep1[:, None] & mask_d[None, :],
+                                     bias, HAS_BIAS, SOFTPLUS, FAST)
+                dt1 = tl.where(keep1[:, None], dt1, 0.0)  # a_{t+1} = 1 past the end (carries dlast in)
+                dout = tl.load(dout_ptr + pid_b * s_gb + d64[None, :] * s_gd + t64[:, None] * s_gl, mask=m_dt,
+                               other=0.0).to(tl.float32)
+                if c > 0:
+                    h0 = tl.load(ckpt_ptr + ((c - 1) * nb + pid_b) * DIM * N + dn, mask=mask_dn, other=0.0)
                 else:
-                    gz = sz
-                    gp = sz * (1.0 - sz)
-                y = tl.sum(tl.sum(hs * C4, axis=1), axis=2)
+                    h0 = tl.zeros((NP, BLOCK_D, NL), dtype=tl.float32)
+                for w in tl.static_range(R - 1):  # the state at this block's start: scan the earlier blocks of c
+                    if w < cb % R:
+                        tw64 = (c * T + w * BT + offs_t).to(tl.int64)
+                        uw = tl.load(u_row[None, :] + tw64[:, None] * s_ul, mask=mask_d[None, :], other=0.0)
+                        raw_w, dtw = _delta_f(t_row[None, :] + tw64[:, None] * s_tl, 0, mask_d[None, :], bias,
+                                              HAS_BIAS, SOFTPLUS, FAST)
+                        Bw = tl.load(Bp + n64 * s_Bn + tw64[:, None, None] * s_Bl, mask=mask_n[None, :, :], other=0.0)
+                        aw = tl.exp2(dtw[:, None, :, None] * A2)
+                        if HAS_RESET:
+                            sw = tl.load(seq_ptr + tw64)
+                            sw_prev = tl.load(seq_ptr + tw64 - 1, mask=tw64 > 0, other=-1)
+                            aw = tl.where((sw == sw_prev)[:, None, None, None], aw, 0.0)
+                        bw = (dtw * uw.to(tl.float32))[:, None, :, None] * Bw.to(tl.float32)[:, :, None, :]
+                        aw_c, hw = tl.associative_scan((aw, bw + tl.where(first, aw * h0[None], -0.0)), 0, _affine)
+                        h0 = tl.sum(tl.where(lastt, hw, -0.0), axis=0)
+                dt4 = dt[:, None, :, None]
+                dtu = dt * uu
+                dtu4 = dtu[:, None, :, None]
+                a = tl.exp2(dt4 * A2)
+                if HAS_RESET:
+                    a = tl.where((sq == sq_prev)[:, None, None, None], a, 0.0)
+                # h_t = a_t h_{t-1} + b_t, the chunk's entering state folded into its first step
+                ac, hs = tl.associative_scan((a, dtu4 * B4 + tl.where(first, a * h0[None], -0.0)), 0, _affine)
+                if HAS_Z:
+                    zz = tl.load(z_ptr + pid_b * s_zb + d64[None, :] * s_zd + t64[:, None] * s_zl, mask=m_dt,
+                                 other=0.0).to(tl.float32)
+                    sz = _sigmoid_fast(zz)
+                    if GATE == 1:
+                        gz = zz * sz
+                        gp = sz * (1.0 + zz * (1.0 - sz))
+                    else:
+                        gz = sz
+                        gp = sz * (1.0 - sz)
+                    y = tl.sum(tl.sum(hs * C4, axis=1), axis=2)
+                    if HAS_D:
+                        y = y + Dv[None, :] * uu
+                    dzt = dout * y * gp
+                    dy = dout * gz
+                else:
+                    dy = dout
+                dy4 = dy[:, None, :, None]
+                dC_acc += hs * dy4
+                # lam_t = C_t dy_t + a_{t+1} lam_{t+1}, the later block's adjoint folded into the last step
+                gin = dy4 * C4
+                a1 = tl.exp2(dt1[:, None, :, None] * A2)
+                if HAS_RESET:
+                    a1 = tl.where(keep1[:, None, None, None], a1, 0.0)
+                    if HAS_DLAST:
+                        ends = mask_t & (sq_next != sq)
+                        lp = dlast_ptr + sq.to(tl.int64)[:, None, None, None] * DIM * N + dn[None]
+                        gin += tl.load(lp, mask=mask_dn[None] & ends[:, None, None, None], other=0.0).to(tl.float32)
+                if cr > 0:
+                    lam_in = tl.load(lamc_ptr + pid_b * DIM * N + dn, mask=mask_dn, other=0.0)
+                elif HAS_DLAST and not HAS_RESET:
+                    lam_in = tl.load(dlast_ptr + pid_b * DIM * N + dn, mask=mask_dn, other=0.0).to(tl.float32)
+                else:
+                    lam_in = tl.zeros((NP, BLOCK_D, NL), dtype=tl.float32)
+                # a forward scan of the time-flipped block (a flip within a thread costs nothing; reverse=True
+                # reverses the lanes with shuffles)
+                gin = gin + tl.where(lastt, a1 * lam_in[None], -0.0)
+                lc, lam = tl.associative_scan((tl.flip(a1, 0), tl.flip(gin, 0)), 0, _affine)
+                lam = tl.flip(lam, 0)
+                tl.store(lamc_ptr + pid_b * DIM * N + dn, tl.sum(tl.where(first, lam, -0.0), axis=0), mask=mask_dn)
+                dB_acc += lam * dtu4
+                dlog = lam * tl.fma(-dtu4, B4, hs)  # lam_t a_t h_{t-1}
+                ddtu = tl.sum(tl.sum(lam * B4, axis=1), axis=2)  # (BT, BLOCK_D)
+                ddt = tl.sum(tl.sum(dlog * A4, axis=1), axis=2) + ddtu * uu
+                _accumulate(dA_ptr + pid_b * DIM * N + dn, tl.sum(dlog * dt4, axis=0), mask_dn, cr > 0)
+                du = ddtu * dt
                 if HAS_D:
-                    y = y + Dv[None, :] * uu
-                tl.store(dz_ptr + o_row[None, :] + t64[:, None], (dout * y * gp).to(dz_ptr.dtype.element_ty), mask=m_dt)
-                dy = dout * gz
-            else:
-                dy = dout
-            dy4 = dy[:, None, :, None]
-            dC_acc += hs * dy4
-            # lam_t = C_t dy_t + a_{t+1} lam_{t+1}, the later block's adjoint folded into the last step
-            gin = dy4 * C4
-            a1 = tl.exp2(dt1[:, None, :, None] * A2)
-            if HAS_RESET:
-                a1 = tl.where(keep1[:, None, None, None], a1, 0.0)
-                if HAS_DLAST:
-                    ends = mask_t & (sq_next != sq)
-                    lp = dlast_ptr + sq.to(tl.int64)[:, None, None, None] * DIM * N + dn[None]
-                    gin += tl.load(lp, mask=mask_dn[None] & ends[:, None, None, None], other=0.0).to(tl.float32)
-            if cr > 0:
-                lam_in = tl.load(lamc_ptr + pid_b * DIM * N + dn, mask=mask_dn, other=0.0)
-            elif HAS_DLAST and not HAS_RESET:
-                lam_in = tl.load(dlast_ptr + pid_b * DIM * N + dn, mask=mask_dn, other=0.0).to(tl.float32)
-            else:
-                lam_in = tl.zeros((NP, BLOCK_D, NL), dtype=tl.float32)
-            # a forward scan of the time-flipped block (a flip within a thread costs nothing; reverse=True
-            # reverses the lanes with shuffles)
-            gin = gin + tl.where(lastt, a1 * lam_in[None], -0.0)
-            lc, lam = tl.associative_scan((tl.flip(a1, 0), tl.flip(gin, 0)), 0, _affine)
-            lam = tl.flip(lam, 0)
-            tl.store(lamc_ptr + pid_b * DIM * N + dn, tl.sum(tl.where(first, lam, -0.0), axis=0), mask=mask_dn)
-            dB_acc += lam * dtu4
-            dlog = lam * tl.fma(-dtu4, B4, hs)  # lam_t a_t h_{t-1}
-            ddtu = tl.sum(tl.sum(lam * B4, axis=1), axis=2)  # (BT, BLOCK_D)
-            ddt = tl.sum(tl.sum(dlog * A4, axis=1), axis=2) + ddtu * uu
-            _accumulate(dA_ptr + pid_b * DIM * N + dn, tl.sum(dlog * dt4, axis=0), mask_dn, cr > 0)
-            du = ddtu * dt
-            if HAS_D:
-                du += dy * Dv[None, :]
-                _accumulate(dD_ptr + pid_b * DIM + offs_d, tl.sum(dy * uu, axis=0), mask_d & k0, cr > 0)
-            if SOFTPLUS:
-                ddt = ddt * _sigmoid_fast(raw)
-            ddt = tl.where(m_dt, ddt, 0.0)
-            if HAS_BIAS:
-                _accumulate(dbias_ptr + pid_b * DIM + offs_d, tl.sum(ddt, axis=0), mask_d, cr > 0)
-            tl.store(du_ptr + o_row[None, :] + t64[:, None], du.to(du_ptr.dtype.element_ty), mask=m_dt)
-            tl.store(ddelta_ptr + o_row[None, :] + t64[:, None], ddt.to(ddelta_ptr.dtype.element_ty), mask=m_dt)
-        tl.store(dCp + n64 * L + t64[:, None, None], tl.sum(dC_acc, axis=2), mask=m_nt)
-        tl.store(dBp + n64 * L + t64[:, None, None], tl.sum(dB_acc, axis=2), mask=m_nt)
-        tl.debug_barrier()  # the adjoint carry and dA / dD / ddelta_bias are read back next block
+                    du += dy * Dv[None, :]
+                    _accumulate(dD_ptr + pid_b * DIM + offs_d, tl.sum(dy * uu, axis=0), mask_d & (k == 0), cr > 0)
+                if SOFTPLUS:
+                    ddt = ddt * _sigmoid_fast(raw)
+                ddt = tl.where(m_dt, ddt, 0.0)
+                if NT > 1:
+                    # the sums of the tiles before, in the program's (3, BT steps x channels) scratch
+                    sp = acc_p + (sub * BLOCK_D + tl.arange(0, BLOCK_D))[None, :] * (3 * BT) + offs_t[:, None]
+                    if k > 0:
+                        du += tl.load(sp)
+                        ddt += tl.load(sp + BT)
+                        if HAS_Z:
+                            dzt += tl.load(sp + 2 * BT)
+                    if k < NT - 1:
+                        tl.store(sp, du)
+                        tl.store(sp + BT, ddt)
+                        if HAS_Z:
+                            tl.store(sp + 2 * BT, dzt)
+                last = k == NT - 1  # the last tile writes the sums over the states
+                if HAS_BIAS:
+                    _accumulate(dbias_ptr + pid_b * DIM + offs_d, tl.sum(ddt, axis=0), mask_d & last, cr > 0)
+                m_out = m_dt & last
+                if HAS_Z:
+                    tl.store(dz_ptr + o_row[None, :] + t64[:, None], dzt.to(dz_ptr.dtype.element_ty), mask=m_out)
+                tl.store(du_ptr + o_row[None, :] + t64[:, None], du.to(du_ptr.dtype.element_ty), mask=m_out)
+                tl.store(ddelta_ptr + o_row[None, :] + t64[:, None], ddt.to(ddelta_ptr.dtype.element_ty), mask=m_out)
+            tl.store(dCp + n64 * L + t64[:, None, None], tl.sum(dC_acc, axis=2), mask=m_nt)
+            tl.store(dBp + n64 * L + t64[:, None, None], tl.sum(dB_acc, axis=2), mask=m_nt)
+            # the adjoint carry, dA / dD / ddelta_bias and the tiles' sums are read back next tile or block
+            tl.debug_barrier()
 
 
 @triton.jit
@@ -488,8 +488,8 @@ def bwd_config(H: int, N: int, chunk: int) -> dict:
     steps in a thread, BLOCK_D channels on the other lanes and the warps (the per-channel tiles ``(BT, BLOCK_D)``
     then hold one element a thread, which keeps their math out of the broadcast layout): 8 steps, up to 8 state
     lanes, 2 warps.  ``NSUB`` blocks make one program's ``BWD_CHANNELS`` channels (dB / dC summed over them in
-    registers).  dstate > ``BWD_STATES``: ``NT`` programs over tiles of ``BWD_STATES`` states (a program's
-    registers then hold no more than at dstate 16; at 64 states in one program the tiles spilled)."""
+    registers).  dstate > ``BWD_STATES``: the program runs over ``NT`` tiles of ``BWD_STATES`` states one
+    after the other (its registers then hold no more than at dstate 16; 64 states at once spilled)."""
     BN = triton.next_power_of_2(N)
     NT = triton.cdiv(N, BWD_STATES) if BN > BWD_STATES else 1
     NL = min(BN, 8)
@@ -567,26 +567,24 @@ def scan_bwd(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, g
     # every element below is written by the kernel (when L > 0)
     new = torch.empty if L > 0 else torch.zeros
     lamc = torch.empty((batch, dim, N), **f32)  # the adjoint carried from one chunk to the one before
-    NT = cfg["NT"]
-    if NT == 1:
-        du = torch.empty((batch, dim, L), device=dev, dtype=u.dtype)
-        ddelta = torch.empty((batch, dim, L), device=dev, dtype=delta.dtype)
-        dz = torch.empty((batch, dim, L), device=dev, dtype=z.dtype) if z is not None else None
-    else:  # per-state-tile float32 partials, summed below in a fixed order
-        du, ddelta = new((NT, batch, dim, L), **f32), new((NT, batch, dim, L), **f32)
-        dz = new((NT, batch, dim, L), **f32) if z is not None else None
+    du = torch.empty((batch, dim, L), device=dev, dtype=u.dtype)
+    ddelta = torch.empty((batch, dim, L), device=dev, dtype=delta.dtype)
+    dz = torch.empty((batch, dim, L), device=dev, dtype=z.dtype) if z is not None else None
+    # more than one state tile: the sums over the states of a block of steps, carried from one tile to the next
+    # (du, ddelta, y: BT steps x the program's channels, reused by every block)
+    acc = torch.empty((batch, dim, 3, cfg["BT"]), **f32) if cfg["NT"] > 1 else None
     dA = new((batch, dim, N), **f32)
     dD = new((batch, dim), **f32)
-    dbias = new((NT * batch, dim), **f32)
+    dbias = new((batch, dim), **f32)
     dBp = torch.empty((batch, nprog, N, L), **f32)
     dCp = torch.empty((batch, nprog, N, L), **f32)
     if L > 0:
         seq = seq_index(cu_seqlens, L, dev)
         with _on(dev):
-            _scan_bwd_kernel[(batch, nprog, NT)](
+            _scan_bwd_kernel[(batch, nprog)](
                 u, delta, A, B, C, _opt(D, u), _opt(z, u), _opt(delta_bias, u), _opt(seq, u),
                 dout, _opt(dlast.contiguous() if dlast is not None else None, u), ckpt, lamc,  # (batch, dim, N)
-                du, ddelta, _opt(dz, du), dA, dD, dbias, dBp, dCp,
+                du, ddelta, _opt(dz, du), dA, dD, dbias, dBp, dCp, _opt(acc, dA),
                 L, dim, N, H, nprog,
                 *u.stride(), *delta.stride(), *_s3(z), *dout.stride(), *B.stride(), *C.stride(),
                 T=chunk, **cfg,
@@ -594,9 +592,6 @@ def scan_bwd(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, g
                 SOFTPLUS=delta_softplus, GATE=_GATES[gate], HAS_RESET=seq is not None, HAS_DLAST=dlast is not None,
                 FAST=dev.type == "cuda", num_warps=warps,
             )
-    if NT > 1:
-        du, ddelta = du.sum(0).to(u.dtype), ddelta.sum(0).to(delta.dtype)
-        dz = dz.sum(0).to(z.dtype) if z is not None else None
     dB = dBp.view(batch, G, nprog // G, N, L).sum(2)
     dC = dCp.view(batch, G, nprog // G, N, L).sum(2)
     return (

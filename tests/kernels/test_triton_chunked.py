@@ -153,12 +153,14 @@ def test_decode_permuted_inputs():
     [
         (17, K + 5, {}),  # two state tiles, the second of one state
         (40, 2 * K + 3, dict(has_D=False, ngroups=2)),  # three tiles, the last half full; no D
-        (33, K - 3, dict(has_z=False, has_bias=False)),  # no gate: no dz partials; no ddelta_bias
+        (33, K - 3, dict(has_z=False, has_bias=False)),  # no gate: no dz sums; no ddelta_bias
+        (64, K + 1, dict(has_bias=False)),  # four full tiles; the last block of one step
     ],
 )
 def test_backward_state_tiles(scan_tools, dstate, seqlen, opts):
-    """dstate > 16: programs over tiles of 16 states; du, ddelta, dz, ddelta_bias summed from per-tile partials
-    (D u, dy D and dD added by the first tile only); N not a multiple of the tile."""
+    """dstate > 16: a program runs over tiles of 16 states in turn; du, ddelta, dz summed over the tiles in its
+    float32 scratch and written by the last tile (D u, dy D and dD from the first tile, ddelta_bias from the
+    last); N not a multiple of the tile."""
     from certblocks.kernels.triton_scan import bwd_config
 
     assert bwd_config(4, dstate, K)["NT"] == -(-dstate // 16)
@@ -173,7 +175,7 @@ def test_backward_state_tiles(scan_tools, dstate, seqlen, opts):
 
 def test_backward_state_tiles_cu_seqlens_bf16(scan_tools):
     """State tiles with packed sequences (the final-state gradient read per tile) and bf16 outputs cast from
-    the float32 partials."""
+    the float32 sums over the tiles."""
     L = K + 9
     cu = torch.tensor([0, 1, 1, 30, L])
     x = scan_tools.make_inputs(batch=1, dim=4, dstate=24, seqlen=L, ngroups=2, dtype=torch.bfloat16, seed=3)
