@@ -1384,6 +1384,7 @@ def static_rows(old_source: Optional[Path]) -> List[Dict[str, Any]]:
     """One row per (kernel, version, dstate): the figures of :func:`_sass_stats` and warp-instructions per
     (b, d, t) element = hot-loop SASS x warps / (b, d, t) elements one loop iteration covers, times the passes
     of the loop over one element (the backward's state tiles, ``NT``, run one after the other by a program)."""
+    from certblocks.kernels import triton_decode as decode
     from certblocks.kernels import triton_scan as new
 
     flags = dict(HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, GATE=1, HAS_RESET=False)
@@ -1412,7 +1413,7 @@ def static_rows(old_source: Optional[Path]) -> List[Dict[str, Any]]:
         tiles = f" x {c['NT']} state tiles in turn" if c["NT"] > 1 else ""
         row("backward", "new", n, new._scan_bwd_kernel, dict(T=T, HAS_DLAST=True, FAST=True, **c, **flags), w,
             c["BLOCK_D"] * c["BT"], f"{c['BLOCK_D']} ch x {c['BT']} steps, {w} warps{tiles}", passes=c["NT"])
-        row("decode", "new", n, new._state_update_kernel, dict(BLOCK_D=32, BLOCK_N=n, **dec), 4, 32, "32 ch")
+        row("decode", "new", n, decode._state_update_kernel, dict(BLOCK_D=32, BLOCK_N=n, **dec), 4, 32, "32 ch")
     return rows
 
 

@@ -176,9 +176,9 @@ def selective_state_update_op(
     backend: str,
 ) -> Tensor:
     if backend == "triton":
-        from . import triton_scan
+        from . import triton_decode
 
-        return triton_scan.state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, gate)
+        return triton_decode.state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, gate)
     if backend in ("torch", "reference"):
         from .reference import selective_state_update_reference
 

@@ -1,4 +1,4 @@
-"""Triton kernels for the selective scan: forward, backward and decode step.
+"""Triton kernels for the selective scan: forward and backward (the decode step: :mod:`.triton_decode`).
 
 Imported lazily (only when ``backend="triton"`` runs).  On a machine without a GPU the kernels run
 in Triton's interpreter when ``TRITON_INTERPRET=1`` is set before triton is imported.
@@ -416,52 +416,6 @@ def _scan_bwd_kernel(
             tl.debug_barrier()
 
 
-@triton.jit
-def _state_update_kernel(
-    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, out_ptr,
-    DIM, N, H,
-    s_sb, s_sd, s_sn, s_xb, s_xd, s_tb, s_td, s_zb, s_zd, s_ob, s_od,
-    s_Bb, s_Bg, s_Bn, s_Cb, s_Cg, s_Cn,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    GATE: tl.constexpr,
-):
-    pid_b = tl.program_id(0).to(tl.int64)
-    pid_d = tl.program_id(1)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_d = offs_d < DIM
-    mask_n = offs_n < N
-    mask_dn = mask_d[:, None] & mask_n[None, :]
-    d64 = offs_d.to(tl.int64)
-    n64 = offs_n.to(tl.int64)
-    g = d64 // H
-    sp = state_ptr + pid_b * s_sb + d64[:, None] * s_sd + n64[None, :] * s_sn
-    h = tl.load(sp, mask=mask_dn, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + pid_b * s_xb + d64 * s_xd, mask=mask_d, other=0.0).to(tl.float32)
-    dt = tl.load(dt_ptr + pid_b * s_tb + d64 * s_td, mask=mask_d, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        dt += tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    if SOFTPLUS:
-        dt = _softplus(dt)
-    A = tl.load(A_ptr + d64[:, None] * N + offs_n[None, :], mask=mask_dn, other=0.0).to(tl.float32)
-    Bv = tl.load(B_ptr + pid_b * s_Bb + g[:, None] * s_Bg + n64[None, :] * s_Bn, mask=mask_dn, other=0.0)
-    Cv = tl.load(C_ptr + pid_b * s_Cb + g[:, None] * s_Cg + n64[None, :] * s_Cn, mask=mask_dn, other=0.0)
-    h = tl.exp(dt[:, None] * A) * h + (dt * x)[:, None] * Bv.to(tl.float32)
-    tl.store(sp, h.to(state_ptr.dtype.element_ty), mask=mask_dn)
-    y = tl.sum(h * Cv.to(tl.float32), axis=1)
-    if HAS_D:
-        y += x * tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    if HAS_Z:
-        zz = tl.load(z_ptr + pid_b * s_zb + d64 * s_zd, mask=mask_d, other=0.0).to(tl.float32)
-        sz = tl.sigmoid(zz)
-        if GATE == 1:
-            y = y * zz * sz
-        else:
-            y = y * sz
-    tl.store(out_ptr + pid_b * s_ob + d64 * s_od, y.to(out_ptr.dtype.element_ty), mask=mask_d)
-
-
 def _on(device: torch.device):
     """``torch.cuda.device(device)`` around a launch on a CUDA tensor (the kernel runs on the tensor's
     GPU, not the current one); nothing on the CPU (interpreter)."""
@@ -598,28 +552,3 @@ def scan_bwd(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, g
         du, ddelta, dA.sum(0), dB, dC,
         dD.sum(0) if D is not None else None, dz, dbias.sum(0) if delta_bias is not None else None,
     )
-
-
-def state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, gate):
-    """Decode step kernel launcher (state updated in place); arguments as in selective_state_update.
-    Every tensor is read with its own strides; ``out`` is a new contiguous (batch, dim) tensor."""
-    batch, dim, N = state.shape
-    Bc = B if B.dim() == 3 else B.unsqueeze(1)
-    Cc = C if C.dim() == 3 else C.unsqueeze(1)
-    H = dim // Bc.shape[1]
-    out = torch.empty((batch, dim), device=x.device, dtype=x.dtype)
-    A = A.contiguous()
-    D = D.contiguous() if D is not None else None
-    dt_bias = dt_bias.contiguous() if dt_bias is not None else None
-    BD = min(32, triton.next_power_of_2(dim))
-    grid = (batch, triton.cdiv(dim, BD))
-    with _on(state.device):
-        _state_update_kernel[grid](
-            state, x, dt, A, Bc, Cc, _opt(D, x), _opt(z, x), _opt(dt_bias, x), out,
-            dim, N, H, *state.stride(), *x.stride(), *dt.stride(),
-            *(z.stride() if z is not None else (0, 0)), *out.stride(), *Bc.stride(), *Cc.stride(),
-            BLOCK_D=BD, BLOCK_N=triton.next_power_of_2(N),
-            HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
-            GATE=_GATES[gate],
-        )
-    return out

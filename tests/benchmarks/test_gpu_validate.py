@@ -216,8 +216,8 @@ def test_static_figures_of_a_kernel():
     import sys
 
     code = ("import os, sys, json; os.environ.pop('TRITON_INTERPRET', None); sys.path.insert(0, 'benchmarks'); "
-            "import gpu_validate as gv; from certblocks.kernels import triton_scan as ts; "
-            "k = gv._sm90(ts._state_update_kernel, dict(BLOCK_D=32, BLOCK_N=16, HAS_D=True, HAS_Z=True, "
+            "import gpu_validate as gv; from certblocks.kernels import triton_decode as td; "
+            "k = gv._sm90(td._state_update_kernel, dict(BLOCK_D=32, BLOCK_N=16, HAS_D=True, HAS_Z=True, "
             "HAS_BIAS=True, SOFTPLUS=True, GATE=1), 4); print(json.dumps(gv._sass_stats(k)))")
     root = Path(gv.__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -23,6 +23,7 @@ SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from certblocks.kernels import triton_decode as td
     from certblocks.kernels import triton_scan as ts
 
     def compile_(fn, ptr_types, consts):
@@ -51,7 +52,7 @@ SCRIPT = textwrap.dedent(
         compile_(ts._scan_bwd_kernel, io, dict(T=32, HAS_DLAST=True, FAST=True, **c, **flags))
     io2 = {k: "*" + dt for k in ("x_ptr", "dt_ptr", "z_ptr", "out_ptr", "B_ptr", "C_ptr")}
     c2 = dict(BLOCK_D=32, BLOCK_N=16, HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, GATE=2)
-    compile_(ts._state_update_kernel, io2, c2)
+    compile_(td._state_update_kernel, io2, c2)
     print("compiled")
     """
 )
