@@ -97,11 +97,10 @@ def probe_run(variant: str, lr: float, seed: int, precision: str, data: Any, a: 
     nonfinite, culprit = None, None
     try:
         for step in range(a.byte_steps):
-            ix = torch.randint(0, train_bytes.numel() - a.block - 1, (a.byte_batch,), generator=g)
-            w = torch.stack([train_bytes[i:i + a.block + 1] for i in ix])
+            x, y = lrs.byte_batch(train_bytes, a, g)
             probe.reset()
             with lrs._autocast(precision, "cpu"):
-                loss = model(w[:, :-1], w[:, 1:])
+                loss = model(x, y)
             stream = max(v["max"] for k, v in probe.step.items() if k.endswith("<input>"))
             half = [v["max"] for v in probe.step.values() if v["dtype"] in ("float16", "bfloat16")]
             top = max(((k, v["max"]) for k, v in probe.step.items()), key=lambda kv: kv[1])
@@ -113,12 +112,7 @@ def probe_run(variant: str, lr: float, seed: int, precision: str, data: Any, a: 
                 culprit_inputs = {k: v for k, v in probe.step.items() if k.endswith("<input>")}
                 steps[-1]["stream_inputs"] = culprit_inputs
                 break
-            opt.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            scaler.unscale_(opt)
-            nn.utils.clip_grad_norm_(model.parameters(), a.clip)
-            scaler.step(opt)
-            scaler.update()
+            lrs.byte_step(model, opt, scaler, loss, a.clip)
     finally:
         probe.remove()
     return {"variant": variant, "lr": lr, "seed": seed, "precision": precision, "nonfinite_step": nonfinite,
@@ -152,9 +146,9 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    a = argparse.Namespace(layers=4, byte_width=128, heads=4, block=64, byte_batch=8, clip=1.0,
-                           byte_steps=args.byte_steps)
-    data = lrs.byte_data(args.corpus_bytes, a.block, 64)
+    grid = {name.replace("-", "_"): default for name, default, _ in lrs.INT_OPTIONS}  # the grid's model and batch
+    a = argparse.Namespace(**{**grid, "clip": 1.0, "byte_steps": args.byte_steps})
+    data = lrs.byte_data(args.corpus_bytes, a.block, a.eval_windows)
     out = []
     for variant in args.variants:
         for lr in args.lr:

@@ -277,9 +277,7 @@ def run_bytes(variant: str, precision: str, lr: float, seed: int, data: Tuple[to
     nonfinite = None
     loss_v = math.nan
     for step in range(a.byte_steps):
-        ix = torch.randint(0, train_bytes.numel() - a.block - 1, (a.byte_batch,), generator=g)
-        w = torch.stack([train_bytes[i:i + a.block + 1] for i in ix])
-        x, y = w[:, :-1], w[:, 1:]
+        x, y = byte_batch(train_bytes, a, g)
         if step in at:
             xs, ys = x[:a.headroom_samples], y[:a.headroom_samples]
             with torch.no_grad():
@@ -293,12 +291,7 @@ def run_bytes(variant: str, precision: str, lr: float, seed: int, data: Tuple[to
         if not math.isfinite(loss_v):
             nonfinite = step
             break
-        opt.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        nn.utils.clip_grad_norm_(model.parameters(), a.clip)
-        scaler.step(opt)
-        scaler.update()
+        byte_step(model, opt, scaler, loss, a.clip)
     final = None if nonfinite is not None else byte_eval(model, windows, precision)
     if nonfinite is not None:
         reason = f"non-finite loss at step {nonfinite + 1}"
@@ -313,6 +306,24 @@ def run_bytes(variant: str, precision: str, lr: float, seed: int, data: Tuple[to
             "blew_up": bool(reason), "reason": reason, "nonfinite_step": nonfinite,
             "steps_done": a.byte_steps if nonfinite is None else nonfinite + 1, "seconds": time.time() - t0,
             "headroom": checks, "headroom_measured": measured}
+
+
+def byte_batch(train_bytes: torch.Tensor, a: argparse.Namespace, g: torch.Generator
+               ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(inputs, targets)`` of ``a.byte_batch`` random windows of ``a.block`` bytes (drawn with ``g``)."""
+    ix = torch.randint(0, train_bytes.numel() - a.block - 1, (a.byte_batch,), generator=g)
+    w = torch.stack([train_bytes[i:i + a.block + 1] for i in ix])
+    return w[:, :-1], w[:, 1:]
+
+
+def byte_step(model: nn.Module, opt: torch.optim.Optimizer, scaler: Any, loss: torch.Tensor, clip: float) -> None:
+    """One optimizer step from ``loss``: scaled backward, unscale, clip the gradient norm, step, scaler update."""
+    opt.zero_grad(set_to_none=True)
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    nn.utils.clip_grad_norm_(model.parameters(), clip)
+    scaler.step(opt)
+    scaler.update()
 
 
 def byte_data(limit: int, block: int, n_eval: int) -> Tuple[torch.Tensor, torch.Tensor]:

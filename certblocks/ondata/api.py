@@ -17,7 +17,7 @@ from .power import LinearizedMap, dense_jacobian_norm, jacobian_spectral_norm
 from .report import HeadTrajectory, TrajectoryReport, UpdateTrajectory
 from .sources import Head, Source, Step, module_steps, token_norm_max, tokens_of
 
-__all__ = ["trajectory", "trajectory_of_call", "evaluate", "costate_norms", "unwrap", "as_args", "eval_mode"]
+__all__ = ["trajectory", "trajectory_of_call", "evaluate", "unwrap", "as_args", "eval_mode"]
 
 LossArg = Union[None, Callable[[Tensor], Tensor]]
 
@@ -286,23 +286,6 @@ def _forward(st: Step) -> Graph:
 def _vjp(out: Tensor, x: Tensor, p: Tensor, *, retain: bool) -> Tensor:
     g = torch.autograd.grad(out, x, p.to(out.dtype).reshape(out.shape), allow_unused=True, retain_graph=retain)[0]
     return torch.zeros_like(x) if g is None else g
-
-
-def costate_norms(steps: List[Step], p_d: Tensor) -> List[float]:
-    """The costates ``p_k`` at each segment's input from ``p_D``, backwards by vector-Jacobian products
-    (an update: ``p_k = p_{k+1} + dt Dv_k(X_k)^T p_{k+1}``; a map or block: ``Dm_k(X_k)^T p_{k+1}``), as their
-    largest per-sample norm (``inf`` once one is not finite).  One forward and one backward of every segment
-    (:func:`evaluate` reuses the recorded forward's graph instead)."""
-    norms: List[float] = []
-    p = p_d.detach()
-    for st in reversed(steps):
-        x = st.x.detach().requires_grad_(True)
-        with torch.enable_grad():
-            out = st.fn(x)
-        g = _vjp(out, x, p, retain=False)
-        p = (p.to(g.dtype).reshape(g.shape) + st.dt * g) if st.kind == "update" else g
-        norms.append(_per_sample_max(p))
-    return norms[::-1]
 
 
 def _update(st: Step, x: Tensor, out: Tensor, figures: Tuple[float, Optional[float], Dict[str, float]], steps: int,

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from ..blocks.gain import ScaledBranch
 from ..budget import dtype_name
 from ..certificate import BlockCertificate
-from ..testing.record import intermediate_peaks, recorded_call
+from ..testing.record import recorded_call
 
 __all__ = ["Step", "Head", "Call", "Source", "Peaks", "module_steps", "calls_steps", "token_norm_max", "tokens_of",
            "attention_kappa", "attention_max_logit", "attention_module", "named_peaks"]
@@ -246,6 +246,8 @@ def _call_fn64(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any])
 def _recorded_fn(fn: Fn, attn: Optional[nn.Module], samples: int
                  ) -> Callable[[Tensor], Tuple[Tensor, Tuple[float, Optional[float], Peaks]]]:
     """``Step.record``: ``fn`` under the recorder (and the attention's input hooked for its logits)."""
+    recording = _recording(fn)
+
     def record(x: Tensor) -> Tuple[Tensor, Tuple[float, Optional[float], Peaks]]:
         seen: List[Tensor] = []
         handle = None
@@ -254,12 +256,12 @@ def _recorded_fn(fn: Fn, attn: Optional[nn.Module], samples: int
                 lambda mod, args, kwargs: seen.append(args[0] if args else next(iter(kwargs.values()))),
                 with_kwargs=True)
         try:
-            out, val, by_dtype = recorded_call(fn, x)
+            out, (val, peaks) = recording(x)
         finally:
             if handle is not None:
                 handle.remove()
         logit = attention_max_logit(attn, seen[0], samples) if attn is not None and seen else None
-        return out, (val, logit, named_peaks(by_dtype))
+        return out, (val, logit, peaks)
     return record
 
 
@@ -368,37 +370,32 @@ def module_steps(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]
         return m
 
     lg = float(getattr(model, "loss_gradient", 1.0)) if loss_gradient is None else float(loss_gradient)
-    peak = lambda: _peak_only(out_fn, x_d)
-
-    def record_out(x: Tensor) -> Tuple[Tensor, Tuple[float, Peaks]]:
-        out, val, by_dtype = recorded_call(out_fn, x)
-        return out, (val, named_peaks(by_dtype))
+    record_out = _recording(out_fn)
     if loss is not None:
         def record_loss(x: Tensor) -> Tuple[Tensor, Tuple[float, Peaks]]:
-            out, figures = record_out(x)  # the loss itself is not recorded (as before: the head's output is)
+            out, figures = record_out(x)  # the head's output is recorded, not the loss's internals
             with torch.enable_grad():
                 return loss(out), figures
-        head = Head(x_d, loss_fn=lambda x: loss(out_fn(x)), peak=peak, detail="the loss's gradient at X_D (autograd)",
+        head = Head(x_d, loss_fn=lambda x: loss(out_fn(x)), detail="the loss's gradient at X_D (autograd)",
                     record=record_loss)
     elif scalar is not None:
-        own_loss = lambda x: split_output(run_with_state(x))[1]  # noqa: E731
-
-        def record_own(x: Tensor) -> Tuple[Tensor, Tuple[float, Peaks]]:
-            val, top, by_dtype = recorded_call(own_loss, x)  # the forward that gives the logits gives the loss
-            return val, (top, named_peaks(by_dtype))
-        head = Head(x_d, loss_fn=own_loss, peak=peak, record=record_own,
+        own_loss = lambda x: split_output(run_with_state(x))[1]  # noqa: E731 - the forward of the logits gives it
+        head = Head(x_d, loss_fn=own_loss, record=_recording(own_loss),
                     detail="the model's own loss output, its gradient at X_D (autograd)")
     else:
-        head = Head(x_d, fn=out_fn, loss_gradient=lg, cert=head_cert, peak=peak, record=record_out,
+        head = Head(x_d, fn=out_fn, loss_gradient=lg, cert=head_cert, record=record_out,
                     detail=f"||DG(X_D)|| (Lanczos) x loss gradient bound {lg:.4g}")
         if main is None:
             raise ValueError(f"{type(model).__name__} returned no floating-point output")
     return Source(steps, head, token_norm_max(ordered[0].x), notes=notes)
 
 
-def _peak_only(fn: Fn, x: Tensor) -> Tuple[float, Peaks]:
-    val, by_dtype = intermediate_peaks(fn, x.detach())
-    return val, named_peaks(by_dtype)
+def _recording(fn: Fn) -> Callable[[Tensor], Tuple[Tensor, Tuple[float, Peaks]]]:
+    """``Head.record`` of ``fn``: its output with the graph, and its peaks (one recorded forward)."""
+    def record(x: Tensor) -> Tuple[Tensor, Tuple[float, Peaks]]:
+        out, val, by_dtype = recorded_call(fn, x)
+        return out, (val, named_peaks(by_dtype))
+    return record
 
 
 def named_peaks(by_dtype: Dict[torch.dtype, float]) -> Peaks:
