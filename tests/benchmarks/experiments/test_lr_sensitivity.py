@@ -1,4 +1,5 @@
-"""benchmarks/lr_sensitivity.py: a tiny grid runs end to end, an absurd learning rate is critical, the figures."""
+"""benchmarks/experiments/lr_sensitivity.py: a tiny grid runs end to end, an absurd learning rate is critical, the
+figures."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""benchmarks/enforced.py: a smoke run on a synthetic ETT file, toto's rolled forecast and its training target."""
+"""benchmarks/experiments/enforced.py: a smoke run on a synthetic ETT file, toto's rolled forecast and its training
+target."""
 
 from __future__ import annotations
 
