@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_mamba_block.py --threads 1 --repeats 7
 	$(PY) benchmarks/bench_blocks.py
 	$(PY) benchmarks/throughput.py --quick --threads 1
+	$(PY) benchmarks/tools/sass.py
 	$(PY) benchmarks/experiments/overflow_depth.py
 	$(PY) benchmarks/experiments/stability.py --quick
 	$(PY) benchmarks/experiments/monitor_gpt.py --quick
