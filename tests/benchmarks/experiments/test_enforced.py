@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from enforced import build, forecast, main, train_loss
 
@@ -39,6 +40,7 @@ def test_toto_forecast_rolls_patches_forward():
     torch.testing.assert_close(train_loss(model, x, target), expected)
 
 
+@pytest.mark.slow
 def test_smoke_run(tmp_path, capsys):
     csv = tmp_path / "ett.csv"
     _write_csv(csv)

@@ -37,6 +37,7 @@ def smoke(tmp_path_factory):
     return d, argv, json.loads((d / "lr_sensitivity_quick.json").read_text())
 
 
+@pytest.mark.slow  # the module's smoke grid
 def test_every_variant_is_summarized_and_the_absurd_lr_is_critical(smoke):
     d, _, s = smoke
     rows = {(r["dataset"], r["variant"]): r for r in s["rows"]}
@@ -62,6 +63,7 @@ def test_every_variant_is_summarized_and_the_absurd_lr_is_critical(smoke):
     assert "1/2" in out and "critical learning rate" in out
 
 
+@pytest.mark.slow  # the module's smoke grid
 def test_resume_reads_the_log_without_training(smoke, monkeypatch, capsys):
     import lr_sensitivity
 
