@@ -27,7 +27,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST)
 
-# The CPU figures of benchmarks/RESULTS.md, quick modes (about 25 minutes on 2 cores).
+# The CPU figures of benchmarks/RESULTS.md (benchmarks/results/*.md), quick modes (about 25 minutes on 2 cores);
+# speed scripts in benchmarks/, experiments in benchmarks/experiments/.
 bench: $(STAMP)
 	$(PY) benchmarks/bench_budget.py
 	$(PY) benchmarks/trace_gpt2.py --repeats 3
@@ -35,10 +36,11 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_mamba_block.py --threads 1 --repeats 7
 	$(PY) benchmarks/bench_blocks.py
 	$(PY) benchmarks/throughput.py --quick --threads 1
-	$(PY) benchmarks/overflow_depth.py
-	$(PY) benchmarks/stability.py --quick
-	$(PY) benchmarks/monitor_gpt.py --quick
-	$(PY) benchmarks/enforced_llama.py --quick --threads 1
+	$(PY) benchmarks/tools/sass.py
+	$(PY) benchmarks/experiments/overflow_depth.py
+	$(PY) benchmarks/experiments/stability.py --quick
+	$(PY) benchmarks/experiments/monitor_gpt.py --quick
+	$(PY) benchmarks/experiments/enforced_llama.py --quick --threads 1
 
 readme: $(STAMP)
 	$(VENV)/bin/certblocks table --update-readme README.md

@@ -5,7 +5,8 @@ transformers ``MambaMixer`` on its CPU torch path, fp32, at (B=2, L=1024, d_mode
 forward+backward takes tens of seconds there, so it runs once (``--hf-repeats``).
 
 GPU (``--gpu``): the same script on CUDA, certblocks blocks (triton backend) against
-``mamba_ssm.Mamba`` (its CUDA fast path), bf16 by default.
+``mamba_ssm.Mamba`` (its CUDA fast path), bf16 by default; ``--compile`` adds LinearGrowthMamba under
+``torch.compile(fullgraph=True)`` (``mode="reduce-overhead"``, CUDA graphs, on a GPU).
 
 Prints a table and writes JSON to ``benchmarks/out/``.  Times are medians over repeats after a
 warm-up; ratios are peer time / certblocks time (higher is better for certblocks).
@@ -14,6 +15,7 @@ Usage::
 
     python benchmarks/bench_mamba_block.py                 # CPU
     python benchmarks/bench_mamba_block.py --gpu           # CUDA
+    python benchmarks/bench_mamba_block.py --gpu --compile # CUDA, and LinearGrowthMamba under torch.compile
     python benchmarks/bench_mamba_block.py --threads 1          # stable figures on a busy shared CPU
     python benchmarks/bench_mamba_block.py --batch 2 --seqlen 256 --d-model 64 --hf-repeats 1
 """
@@ -109,6 +111,8 @@ def main(argv: List[str] | None = None) -> Dict[str, object]:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--hf-repeats", type=int, default=1, help="repeats of the (slow) HF CPU path; 0 skips it")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time LinearGrowthMamba under torch.compile(fullgraph=True) (CUDA graphs on a GPU)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch.set_num_threads for all blocks (on a busy shared CPU, 1 gives stable timings)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/out/bench_mamba_block[_gpu].json)")
@@ -118,7 +122,7 @@ def main(argv: List[str] | None = None) -> Dict[str, object]:
         if args.threads < 1:
             ap.error(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.append(str(Path(__file__).resolve().parents[1]))  # the checkout, after an installed certblocks
     from certblocks.blocks.mamba import LinearGrowthMamba, Mamba
 
     if args.gpu and not torch.cuda.is_available():
@@ -138,6 +142,11 @@ def main(argv: List[str] | None = None) -> Dict[str, object]:
     lg = LinearGrowthMamba(d_model, d_state=args.d_state).to(device=device, dtype=dtype)
     rows.append(_measure("certblocks LinearGrowthMamba", lg, x, args.repeats, args.warmup, device))
     rows.append(_measure("certblocks Mamba (free)", Mamba.from_module(lg), x, args.repeats, args.warmup, device))
+    if args.compile:
+        mode = "reduce-overhead" if args.gpu else None
+        compiled = torch.compile(lg, fullgraph=True, mode=mode)
+        rows.append(_measure(f"LinearGrowthMamba compiled ({mode or 'default'})", compiled, x, args.repeats,
+                             max(args.warmup, 3), device))  # CUDA graphs record on a later call than the first
     peer = None
     if args.gpu:
         ref = _mamba_ssm(d_model, args.d_state, device, dtype)
@@ -182,7 +191,7 @@ def main(argv: List[str] | None = None) -> Dict[str, object]:
                     "cuda": torch.cuda.get_device_name(0) if args.gpu else None},
         "config": {"device": str(device), "batch": batch, "seqlen": seqlen, "d_model": d_model,
                    "d_state": args.d_state, "dtype": str(dtype), "repeats": args.repeats, "warmup": args.warmup,
-                   "hf_repeats": args.hf_repeats},
+                   "hf_repeats": args.hf_repeats, "compile": args.compile},
         "rows": rows,
     }
     out = Path(args.out) if args.out else Path(__file__).resolve().parent / "out" / (

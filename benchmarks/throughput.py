@@ -68,8 +68,8 @@ import torch.nn.functional as F
 from torch import nn
 
 _ROOT = Path(__file__).resolve().parents[1]
-if str(_ROOT) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(_ROOT))
+if str(_ROOT) not in sys.path:  # run as a script from anywhere; an installed certblocks comes first
+    sys.path.append(str(_ROOT))
 
 PROFILES = ("smoke", "quick", "full")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

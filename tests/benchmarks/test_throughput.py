@@ -31,6 +31,7 @@ def _check_ok_row(r: dict, repeats: int) -> None:
         assert m["ratio_cert_over_peer"] == pytest.approx(m["cert_median_s"] / m["peer_median_s"])
 
 
+@pytest.mark.slow
 def test_smoke_every_row(tmp_path, capsys, one_thread):
     out = tmp_path / "tp.json"
     res = main(["--smoke", "--no-progress", "--out", str(out), *one_thread])

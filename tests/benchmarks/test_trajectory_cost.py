@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from trajectory_cost import main
 
 
+@pytest.mark.slow
 def test_smoke_every_case(tmp_path) -> None:
     out = main(["--repeats", "1", "--no-mini", "--settings", "steps=4", "jacobians=False",
                 "--out", str(tmp_path / "cost.json")])

@@ -1,8 +1,8 @@
 """An HF Llama converted by certblocks and trained under enforce, against the Llama itself: byte-level LM.
 
-The corpus is ``benchmarks/monitor_gpt.py``'s (the Python standard library's sources, bytes).  Three forms of
-one small random Llama (``--layers`` layers, width ``--width``, ``--heads`` query heads, ``--kv-heads`` key/value
-heads, SwiGLU, RMSNorm, RoPE), the same seed, data and AdamW learning rate, under CPU autocast in ``--amp``:
+The corpus is ``benchmarks/experiments/monitor_gpt.py``'s (the Python standard library's sources, bytes).  Three
+forms of one small random Llama (``--layers`` layers, width ``--width``, ``--heads`` query heads, ``--kv-heads``
+key/value heads, SwiGLU, RMSNorm, RoPE), the same seed, data and AdamW learning rate, under CPU autocast in ``--amp``:
 
 * ``llama``: HF's ``LlamaForCausalLM`` as it is (Pre-RMSNorm, SwiGLU);
 * ``converted``: ``certblocks.convert(llama, remove_norms=True)``: ``RotaryQKNormAttention``, sigmoid ``GatedMLP``,
@@ -16,8 +16,8 @@ non-finite, and the median time per training step (forward, backward, optimizer 
 
 Usage::
 
-    python benchmarks/enforced_llama.py --quick    # 3 seeds x 300 steps, width 128, 4 layers
-    python benchmarks/enforced_llama.py            # 3 seeds x 1500 steps, width 256, 6 layers
+    python benchmarks/experiments/enforced_llama.py --quick    # 3 seeds x 300 steps, width 128, 4 layers
+    python benchmarks/experiments/enforced_llama.py            # 3 seeds x 1500 steps, width 256, 6 layers
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any, Dict, List
 import torch
 import torch.nn.functional as F
 
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "out")
 FORMS = ("llama", "converted", "enforced")
 
 

@@ -19,8 +19,8 @@ estimate's headroom is recorded beside it.
 
 Usage::
 
-    python benchmarks/monitor_gpt.py            # 6 layers, width 256
-    python benchmarks/monitor_gpt.py --quick    # 4 layers, width 128, fewer steps
+    python benchmarks/experiments/monitor_gpt.py            # 6 layers, width 256
+    python benchmarks/experiments/monitor_gpt.py --quick    # 4 layers, width 128, fewer steps
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from certblocks.blocks import MLP, Attention, QKNormAttention
 from certblocks.monitor import CertificateMonitor, CertificateWarning
 from certblocks.stack import build_stack
 
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "out")
 
 
 def stdlib_bytes(limit: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""benchmarks/stability.py: the train loop runs, detects a forced blow-up, and the summary is relative."""
+"""benchmarks/experiments/stability.py: the train loop runs, detects a forced blow-up, and the summary is relative."""
 
 from __future__ import annotations
 

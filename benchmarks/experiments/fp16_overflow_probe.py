@@ -1,4 +1,5 @@
-"""Where do the byte models of ``lr_sensitivity.py`` overflow fp16? (the open question of its RESULTS section)
+"""Where do the byte models of ``lr_sensitivity.py`` overflow fp16? (an open question of
+``benchmarks/results/lr_sensitivity.md``)
 
 In the learning-rate grid the q = 1 byte models (``sigmoid_noln``, ``qknorm_noln``) blow up in fp16 at a lower
 learning rate (6.3e-3) than SwiGLU (``swiglu_noln``, 1.6e-2), and survive the same runs in bf16: an overflow of
@@ -13,7 +14,7 @@ forward hooks on every module of the residual stack, the final LayerNorm and the
 
 Usage::
 
-    python benchmarks/fp16_overflow_probe.py [--variants qknorm_noln sigmoid_noln swiglu_noln] [--lr 0.0063]
+    python benchmarks/experiments/fp16_overflow_probe.py [--variants qknorm_noln sigmoid_noln swiglu_noln] [--lr 0.0063]
         [--seeds 0] [--out benchmarks/results/fp16_overflow_probe.json]
 """
 

@@ -1,4 +1,4 @@
-"""benchmarks/monitor_rules.py: the replayed alert rules on hand-made monitor records."""
+"""benchmarks/experiments/monitor_rules.py: the replayed alert rules on hand-made monitor records."""
 
 from __future__ import annotations
 

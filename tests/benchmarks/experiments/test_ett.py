@@ -1,4 +1,4 @@
-"""benchmarks/ett.py: the standard ETT split, the windows and the train-only standardization."""
+"""benchmarks/experiments/ett.py: the standard ETT split, the windows and the train-only standardization."""
 
 from __future__ import annotations
 

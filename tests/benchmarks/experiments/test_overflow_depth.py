@@ -1,4 +1,4 @@
-"""benchmarks/overflow_depth.py: the measured overflow depth never beats the certificate on tiny stacks."""
+"""benchmarks/experiments/overflow_depth.py: the measured overflow depth never beats the certificate on tiny stacks."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ targets that follow it (stride 1).  The forecasters are channel-independent: eac
 
 Usage::
 
-    python benchmarks/ett.py [--data PATH] [--pred-len 96]   # prints the split sizes
+    python benchmarks/experiments/ett.py [--data PATH] [--pred-len 96]   # prints the split sizes
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ SPLITS: Dict[str, Tuple[int, int]] = {
     "test": (16 * MONTH, 20 * MONTH),
 }
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def default_data_path(name: str = "ETTh1.csv") -> str:

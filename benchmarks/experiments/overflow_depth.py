@@ -28,8 +28,8 @@ against ``k`` per block, worst input, one line per dtype, with the certified rad
 
 Usage::
 
-    python benchmarks/overflow_depth.py            # quick (< 5 min on 2 CPU cores)
-    python benchmarks/overflow_depth.py --full     # deeper stacks, more inputs, more search steps
+    python benchmarks/experiments/overflow_depth.py            # quick (< 5 min on 2 CPU cores)
+    python benchmarks/experiments/overflow_depth.py --full     # deeper stacks, more inputs, more search steps
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from certblocks import certify_stack
 from certblocks.budget import float_max
 from certblocks.stack import block_certificate
 
-OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+OUT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "out")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 #: Relative tolerance on ``||X_k|| <= R_k`` for rounding in the run dtype (the certified radius is
@@ -329,7 +329,8 @@ def main(argv=None) -> int:
     elapsed = time.time() - t0
     beaten = [f"{r['block']}/gain {r['gain']:g}/r0 {r['r0']:g}/{dn}"
               for r in results for dn, d in r["dtypes"].items() if d["beaten"]]
-    meta = {"command": "python benchmarks/overflow_depth.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    cmd = "python benchmarks/experiments/overflow_depth.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    meta = {"command": cmd,
             "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores".strip(),
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "seconds": round(elapsed, 1), "beaten": beaten}

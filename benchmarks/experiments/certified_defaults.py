@@ -35,10 +35,10 @@ scikit-learn is needed for the ViT part only: ``pip install certblocks[bench]``.
 
 Usage::
 
-    python benchmarks/certified_defaults.py --quick             # all parts, seeds 0 1 2 (about 16 min on 2 cores)
-    python benchmarks/certified_defaults.py                     # longer training (GPT 600 steps, ViT 30 epochs)
-    python benchmarks/certified_defaults.py --vit --quick --vit-gains 1e-2 --variants --merge
-    python benchmarks/certified_defaults.py --gpt --seeds 0 --gpt-steps 50 --bf16 --out /tmp/cd.json
+    python benchmarks/experiments/certified_defaults.py --quick   # all parts, seeds 0 1 2 (about 16 min on 2 cores)
+    python benchmarks/experiments/certified_defaults.py           # longer training (GPT 600 steps, ViT 30 epochs)
+    python benchmarks/experiments/certified_defaults.py --vit --quick --vit-gains 1e-2 --variants --merge
+    python benchmarks/experiments/certified_defaults.py --gpt --seeds 0 --gpt-steps 50 --bf16 --out /tmp/cd.json
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ from monitor_gpt import stdlib_bytes
 
 from certblocks.stack import CertificationError
 
-OUT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "certified_defaults.json")
+_BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/
+OUT_JSON = os.path.join(_BENCH, "results", "certified_defaults.json")
 GPT_MODEL = "gpt2_qknorm_mini"
 VIT_MODEL = "certblocks_vit_tiny_patch16_224"
 FORECASTERS = ("mamba_forecaster_lg", "patchtst_noln", "toto_style")
@@ -502,7 +503,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             p.error("the ViT part needs scikit-learn: pip install certblocks[bench] (or run --gpt / --forecasters)")
     torch.set_num_threads(args.threads)
 
-    command = "python benchmarks/certified_defaults.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python benchmarks/experiments/certified_defaults.py " + " ".join(sys.argv[1:] if argv is None else argv)
     call = {"command": command.strip(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "args": {k: v for k, v in vars(args).items() if not k.endswith("_variant_list")}, "seconds": {}}
     result: Dict[str, Any] = {"meta": {

@@ -4,7 +4,7 @@
 the model stays certified in ``dtype`` whatever training does to them.  This script trains two zoo forecasters
 with and without the caps, on the same data, batches and initial weights, over several seeds:
 
-* ``mamba_forecaster_lg`` at the quick protocol's size (``benchmarks/stability.py --quick``): width 64,
+* ``mamba_forecaster_lg`` at the quick protocol's size (``benchmarks/experiments/stability.py --quick``): width 64,
   ``d_ff`` 64, ``dt_rank`` 16, 3 layers (6 updates), input 96, horizon 96, channel-independent;
 * ``toto_style`` at its 4m scale (width 256, 4 heads, sigmoid-gated MLP 688, 4 layers: 8 updates), context 96,
   patch 32.  It forecasts the next patch at every patch position: trained on that (input ``x``, target ``x``
@@ -17,7 +17,7 @@ same initial weights for every variant (enforce then shrinks them by ``alpha`` w
 same batches.
 
 Protocol (the quick protocol of ``stability.py``): ETTh1 with the standard 12/4/4-month split, standardized with
-the train statistics (``benchmarks/ett.py``); Adam, learning rate 1e-3, MSE loss, 64 steps of 16 windows
+the train statistics (``benchmarks/experiments/ett.py``); Adam, learning rate 1e-3, MSE loss, 64 steps of 16 windows
 (x 7 channels), fp32; test MSE and MAE (standardized targets) on every 8th test window.  Cost per step: a
 training step (forward, backward, optimizer step; the enforced models' forward under ``parametrize.cached()``,
 one cap per tensor per forward) timed on one batch, the variants of a model interleaved (``--time-repeats``
@@ -31,8 +31,8 @@ Results: a markdown table (mean ± std over seeds) and ``benchmarks/results/enfo
 
 Usage::
 
-    python benchmarks/enforced.py --seeds 0 1 2 3 4 5 6 7 8 9   # both models, 3 variants (~15 min, 1 thread)
-    python benchmarks/enforced.py --models mamba_forecaster_lg --seeds 0 --steps 8 --out /tmp/e.json
+    python benchmarks/experiments/enforced.py --seeds 0 1 2 3 4 5 6 7 8 9  # both models, 3 variants (~15 min, 1 thread)
+    python benchmarks/experiments/enforced.py --models mamba_forecaster_lg --seeds 0 --steps 8 --out /tmp/e.json
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from torch.nn.utils import parametrize
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ett import default_data_path, load_ett, make_loaders
 
-OUT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "enforced.json")
+OUT_JSON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "enforced.json")
 #: model -> constructor overrides (the quick protocol's Mamba size; toto at its 4m scale, context 96)
 MODELS: Dict[str, Dict[str, Any]] = {
     "mamba_forecaster_lg": dict(d_model=64, d_ff=64, dt_rank=16, e_layers=3, seq_len=96, pred_len=96, n_vars=7),
@@ -280,7 +280,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 runs.append(run(name, variant, seed, splits, args.steps, args.batch, args.lr))
     timing = {name: step_times(name, args.variants, splits, args.batch, args.lr, args.time_steps, args.time_repeats)
               for name in args.models} if args.time_repeats else {}
-    command = "python benchmarks/enforced.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python benchmarks/experiments/enforced.py " + " ".join(argv if argv is not None else sys.argv[1:])
     result = {"meta": {"command": command.strip(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                        "seconds": round(time.time() - t0, 1), "torch": torch.__version__,
                        "python": platform.python_version(),

@@ -1,9 +1,11 @@
-"""benchmarks/enforced.py: a smoke run on a synthetic ETT file, toto's rolled forecast and its training target."""
+"""benchmarks/experiments/enforced.py: a smoke run on a synthetic ETT file, toto's rolled forecast and its training
+target."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from enforced import build, forecast, main, train_loss
 
@@ -38,6 +40,7 @@ def test_toto_forecast_rolls_patches_forward():
     torch.testing.assert_close(train_loss(model, x, target), expected)
 
 
+@pytest.mark.slow
 def test_smoke_run(tmp_path, capsys):
     csv = tmp_path / "ett.csv"
     _write_csv(csv)

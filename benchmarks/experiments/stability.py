@@ -2,7 +2,7 @@
 
 Trains the zoo's forecaster variants (built with ``certify=False`` so that uncertified ones can be
 trained) on ETTh1 (standard 12/4/4-month split, input 96, channel-independent, targets
-standardized with the train statistics; see ``benchmarks/ett.py``):
+standardized with the train statistics; see ``benchmarks/experiments/ett.py``):
 
 =================  ==================================  =====
 variant            zoo model                           q
@@ -42,10 +42,10 @@ the blow-up rate by variant and depth.
 
 Usage::
 
-    python benchmarks/stability.py --quick        # D=3, 1 seed, fp32/bf16/fp16, horizon 96: 21 runs
-    python benchmarks/stability.py                # D in {3, 8}, 3 seeds, fp32/bf16/fp16, H in {96, 336}: 252 runs
-    python benchmarks/stability.py --resume       # continue an interrupted run from its .jsonl log
-    python benchmarks/stability.py --data PATH --variants mamba_free mamba_lg --steps 500 --width 128
+    python benchmarks/experiments/stability.py --quick        # D=3, 1 seed, fp32/bf16/fp16, horizon 96: 21 runs
+    python benchmarks/experiments/stability.py        # D in {3, 8}, 3 seeds, fp32/bf16/fp16, H in {96, 336}: 252 runs
+    python benchmarks/experiments/stability.py --resume       # continue an interrupted run from its .jsonl log
+    python benchmarks/experiments/stability.py --data PATH --variants mamba_free mamba_lg --steps 500 --width 128
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ett import default_data_path, load_ett, make_loaders
 
-OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+OUT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "out")
 
 #: variant -> (zoo model name, backbone, q, normalized)
 VARIANTS: Dict[str, Tuple[str, str, int, bool]] = {
@@ -420,7 +420,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows = summarize(runs)
     elapsed = time.time() - t_all
     seconds_all = round(sum(float(r["seconds"]) for r in runs), 1)
-    meta = {"command": "python benchmarks/stability.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    meta = {"command": "python benchmarks/experiments/stability.py " + " ".join(sys.argv[1:] if argv is None else argv),
             "mode": tag, **settings, "learning_rates": lrs, "blowup_mse": BLOWUP_MSE,
             "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
                        f"{torch.get_num_threads()} threads",

@@ -7,7 +7,7 @@ q = 0 on two datasets:
 =========  ===============  ===  ======================================================================
 dataset    variant          q    model
 =========  ===============  ===  ======================================================================
-etth1      mamba_free       5    ``mamba_forecaster_free`` (``benchmarks/stability.py``'s protocol)
+etth1      mamba_free       5    ``mamba_forecaster_free`` (``benchmarks/experiments/stability.py``'s protocol)
 etth1      mamba_lg         1    ``mamba_forecaster_lg`` (LinearGrowthMamba)
 etth1      mamba_preln      0    ``mamba_forecaster_preln``
 bytes      swiglu_noln      2    QK-norm attention (RMS) + SwiGLU (``GatedMLP(gate="silu")``), no norms
@@ -72,10 +72,10 @@ rate, one panel per dataset x precision, blow-ups marked) and a printed table.
 
 Usage::
 
-    python benchmarks/lr_sensitivity.py --threads 1          # the full grid: 252 runs
-    python benchmarks/lr_sensitivity.py --quick              # 2 learning rates, 1 seed, fp16, a few steps
-    python benchmarks/lr_sensitivity.py --resume             # continue from the .jsonl log
-    python benchmarks/lr_sensitivity.py --datasets bytes --multipliers 1 10 100 --precisions bf16
+    python benchmarks/experiments/lr_sensitivity.py --threads 1          # the full grid: 252 runs
+    python benchmarks/experiments/lr_sensitivity.py --quick              # 2 learning rates, 1 seed, fp16, a few steps
+    python benchmarks/experiments/lr_sensitivity.py --resume             # continue from the .jsonl log
+    python benchmarks/experiments/lr_sensitivity.py --datasets bytes --multipliers 1 10 100 --precisions bf16
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ from ett import default_data_path, load_ett, make_loaders
 from monitor_gpt import ByteGPT, stdlib_bytes
 from stability import BLOWUP_MSE, _autocast, build_model, evaluate, train_run, width_overrides
 
-OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+OUT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "out")
 
 #: dataset -> variant -> q of the variant (its largest update exponent)
 VARIANTS: Dict[str, Dict[str, int]] = {
@@ -624,7 +624,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
              f"{res['init_loss']:.4g} -> {res['final_loss']}, min headroom "
              f"{headroom_prediction(run)['min_headroom']}, {res['seconds']:.1f} s (total {time.time() - t_all:.0f} s)")
     s = summarize(runs)
-    meta = {"command": "python benchmarks/lr_sensitivity.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    cmd = "python benchmarks/experiments/lr_sensitivity.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    meta = {"command": cmd,
             "mode": tag, **settings, "multipliers": mults, "seeds": seeds, "precisions": precs,
             "blowup_mse": BLOWUP_MSE, "blowup_bits": BLOWUP_BITS, "alert_nats": ALERT_NATS,
             "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "

@@ -1,4 +1,5 @@
-"""benchmarks/fp16_overflow_probe.py: the probe runs the grid's loop and names the first non-finite output."""
+"""benchmarks/experiments/fp16_overflow_probe.py: the probe runs the grid's loop and names the first non-finite
+output."""
 
 from __future__ import annotations
 

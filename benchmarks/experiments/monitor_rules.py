@@ -1,6 +1,6 @@
 """Replay the on-data alert rules of :class:`certblocks.CertificateMonitor` on recorded monitor runs.
 
-``benchmarks/monitor_gpt.py`` writes, per run, the monitor's records (``monitor_gpt<tag>_<form>.csv``: the
+``benchmarks/experiments/monitor_gpt.py`` writes, per run, the monitor's records (``monitor_gpt<tag>_<form>.csv``: the
 measured headroom ``data/headroom_measured`` and the (T) estimate's ``data/headroom`` at every check) and the
 run's outcome (``monitor_gpt<tag>.json``: the first non-finite step).  This script replays, on those records,
 each alert rule the monitor offers -- the headroom below a threshold, or its least-squares trend over the last
@@ -11,7 +11,7 @@ that finished.
 
 Usage::
 
-    python benchmarks/monitor_rules.py benchmarks/out/monitor_gpt_full_*.json [--out FILE.json]
+    python benchmarks/experiments/monitor_rules.py benchmarks/out/monitor_gpt_full_*.json [--out FILE.json]
 """
 
 from __future__ import annotations

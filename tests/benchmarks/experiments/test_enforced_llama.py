@@ -1,5 +1,5 @@
-"""benchmarks/enforced_llama.py: the three forms train, the enforced one keeps its embedding within r0 / 2 and its
-caps hold after the optimizer's steps, and the summary has every form."""
+"""benchmarks/experiments/enforced_llama.py: the three forms train, the enforced one keeps its embedding within r0 / 2
+and its caps hold after the optimizer's steps, and the summary has every form."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""benchmarks/lr_sensitivity.py: a tiny grid runs end to end, an absurd learning rate is critical, the figures."""
+"""benchmarks/experiments/lr_sensitivity.py: a tiny grid runs end to end, an absurd learning rate is critical, the
+figures."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def smoke(tmp_path_factory):
     return d, argv, json.loads((d / "lr_sensitivity_quick.json").read_text())
 
 
+@pytest.mark.slow  # the module's smoke grid
 def test_every_variant_is_summarized_and_the_absurd_lr_is_critical(smoke):
     d, _, s = smoke
     rows = {(r["dataset"], r["variant"]): r for r in s["rows"]}
@@ -61,6 +63,7 @@ def test_every_variant_is_summarized_and_the_absurd_lr_is_critical(smoke):
     assert "1/2" in out and "critical learning rate" in out
 
 
+@pytest.mark.slow  # the module's smoke grid
 def test_resume_reads_the_log_without_training(smoke, monkeypatch, capsys):
     import lr_sensitivity
 

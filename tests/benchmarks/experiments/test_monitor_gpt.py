@@ -1,4 +1,4 @@
-"""benchmarks/monitor_gpt.py --replot: the figure of a committed run is drawn again from its JSON."""
+"""benchmarks/experiments/monitor_gpt.py --replot: the figure of a committed run is drawn again from its JSON."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 from monitor_gpt import main
 
-RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results")
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks", "results")
 
 
 def test_replot_a_saved_run(tmp_path) -> None:
