@@ -10,8 +10,7 @@ def vectorize_interpreter_scan() -> None:
 
     The order of the combines is the interpreter's own (a left fold along the axis, the axis flipped
     for ``reverse=True``), so the results are the same; a (4, 16, 64) scan takes ~64 combine calls
-    instead of ~4096.  Used by the tests and ``benchmarks/gpu_validate.py --cpu-smoke``; no effect on a GPU
-    run.  A no-op without triton or when already applied."""
+    instead of ~4096.  Used by the tests; no effect on a GPU run.  A no-op without triton or when already applied."""
     try:
         import numpy as np
         from triton.runtime import interpreter

@@ -289,9 +289,9 @@ def test_budget_rejects_non_int_depth():
         jacobian_budget(2.5, "fp32")  # type: ignore[arg-type]
 
 
-@pytest.mark.timeout(10)
-def test_long_stacks_and_fp64_answer_quickly():
-    # Functional guard against pathological iteration; the timings are in benchmarks/RESULTS.md.
+def test_long_stacks_and_fp64_answer():
+    # Functional check on long stacks (closed forms, no pathological iteration); the timings are measured in
+    # benchmarks/bench_budget.py (benchmarks/results/certification_time.md), never asserted here.
     ups = [UpdateCoefficients(1, 1, 1e-3, 0.0, 1e-3, 1e-3)] * 10_000
     scan = scan_stack(ups, float_max("bf16"))
     assert len(scan.radii) == 10_001

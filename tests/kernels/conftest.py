@@ -66,10 +66,10 @@ def run_scan(
     xs = {k: v.detach().clone().requires_grad_() for k, v in inputs.items()}
     out, last = fn(**xs, return_last_state=True, **kw)
     g = torch.Generator().manual_seed(seed)
-    go = torch.randn(out.shape, generator=g).to(round_to or out.dtype).to(out.dtype)
+    go = torch.randn(out.shape, generator=g).to(round_to or out.dtype).to(device=out.device, dtype=out.dtype)
     loss = (out * go).float().sum()
     if use_last:
-        gl = torch.randn(last.shape, generator=g).to(last.dtype)
+        gl = torch.randn(last.shape, generator=g).to(device=last.device, dtype=last.dtype)
         loss = loss + (last * gl).float().sum()
     loss.backward()
     res = {"out": out.detach(), "last": last.detach()}
