@@ -1,11 +1,16 @@
 """``convert``: swap certified blocks into an existing backbone, and say what the swap does to its certificate.
 
-``convert(model)`` walks the model and replaces the modules it recognizes, copying their weights:
+``convert(model)`` walks the model and replaces the modules a registered converter recognizes, copying their
+weights.  Conversions are registered like the tracer's rules (:func:`register_converter`: a ``match`` and a
+``build``; yours are consulted before the built-in ones).  The built-in converters:
 
 * ``mamba_ssm.Mamba``, HF ``MambaMixer``, certblocks ``Mamba`` -> :class:`~certblocks.blocks.mamba.LinearGrowthMamba`:
   (5, 5) -> (1, 1);
-* timm ``Attention``, nanoGPT ``CausalSelfAttention``, HF ``GPT2Attention``, certblocks ``Attention`` ->
-  :class:`~certblocks.blocks.attention.QKNormAttention` (RMS QK-norm, scales 1): (1, 2) -> (1, 1);
+* timm ``Attention``, nanoGPT ``CausalSelfAttention``, HF ``GPT2Attention``, HF ``PatchTSTAttention``, certblocks
+  ``Attention`` -> :class:`~certblocks.blocks.attention.QKNormAttention` (RMS QK-norm, scales 1): (1, 2) -> (1, 1);
+  in a timm ``Block`` without gains (``init_values=None``: ``ls1``/``ls2`` are ``nn.Identity``) certified
+  :class:`~certblocks.LayerScale` gains 1 are put in their place (the function is unchanged; the fixes name their
+  ``init_values``);
 * the HF Llama family's attention (:data:`ROTARY_ATTENTIONS`: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma) ->
   :class:`~certblocks.RotaryQKNormAttention` (RoPE, grouped-query heads, QK-norm; Qwen3's own QK-norm is
   copied): (1, 2) -> (1, 1);
@@ -27,21 +32,34 @@ cache, and ``convert`` sets such a model's ``config.use_cache`` to False (listed
 restores it).  The swaps change the function (QK-norm, sigmoid gate, linear-growth scan): the weights are the
 source's, the model needs fine-tuning.
 
+**Checkpoints.**  A converted model's ``state_dict`` keeps its source's names and layouts (HF GPT-2's ``Conv1D``
+``(in, out)``, LLaMA's ``gate_proj``/``up_proj``/``down_proj``, Phi-3's fused ``qkv_proj``, ...: :mod:`certblocks.
+_adapters`), plus what the source lacks (QK-norm scales, inserted gains, and ``certblocks_converted`` on a module
+whose keys would otherwise be the source's although its function is not) and minus the norms removed.  The source's
+class loading it is therefore exact or fails loudly (``load_state_dict(strict=True)`` raises on the tensors it does
+not have; HF's non-strict ``from_pretrained`` lists them in its load report).  :func:`load_converted` reads a
+converted checkpoint back: ``save_pretrained`` of a converted HF model records the conversion in its config
+(``certblocks_conversion``), and ``load_converted(directory)`` rebuilds and converts the model, then loads it
+strictly; for other models ``load_converted(freshly_built_source, checkpoint, remove_norms=...)``.
+
 **A conversion never weakens a model silently.**  With an ``example_input`` the tracer
 (:func:`certblocks.trace.certify`) certifies the model before and after, and the :class:`ConversionReport` holds the
 certified depth in each of ``dtypes`` before and after (:attr:`ConversionReport.depths`,
 :meth:`ConversionReport.table`).
 A swap can lower it: QK-norm bounds the logits but its Jacobian coefficient grows like ``1/sqrt(qk_norm_eps)``, so
 at small radii it can exceed the plain attention's.  Then ``convert`` warns (:class:`ConversionWarning`) with the
-update that consumes the budget, its culprit and the computed fixes that certify again the depth certified before
-(``qk_norm_eps``, ``dt``, a wider dtype: :mod:`certblocks.fixes`), or refuses with ``strict=True``.
-:meth:`ConversionReport.revert` puts the original modules back.
+update that consumes the budget, its culprit and the computed fixes that certify again the depth certified before,
+each a lever the converted model has (``qk_norm_eps`` of an update that is exactly the block, ``init_values`` of the
+branch gains, a wider dtype: :mod:`certblocks.fixes`; a converted backbone has no residual step ``dt``), or refuses
+with ``strict=True``.  :meth:`ConversionReport.revert` puts the original modules back.  The steps are logged at
+``INFO`` on ``certblocks.conversion`` (the command line shows them as progress).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import math
 import os
 import warnings
@@ -59,6 +77,8 @@ from .fixes import Fix, Lever, compute_fixes, recertify
 __all__ = ["convert", "ConversionReport", "ConversionError", "ConversionWarning", "DepthChange", "Swap",
            "IdentityNorm", "REPORT_DTYPES", "ROTARY_ATTENTIONS", "Converter", "register_converter",
            "unregister_converter", "registered_converters", "converter_for", "load_converted", "CONFIG_KEY"]
+
+_log = logging.getLogger(__name__)  # the steps of a conversion, at INFO (the command line shows them as progress)
 
 #: The dtypes of a report's before/after depths, by default.
 REPORT_DTYPES = ("fp16", "bf16", "fp32")
@@ -779,6 +799,7 @@ def convert(model: nn.Module, *, filter_fn: Optional[Callable[[str, nn.Module], 
     target = model if inplace else copy.deepcopy(model)
     report = ConversionReport(target, dtype=dtype)
     if example_input is not None:
+        _log.info("capture and certify the model before conversion")
         report.certificate_before, report.trace_error_before = _trace(target, example_input, dtype, r0)
     else:
         report.trace_error_before = "no example_input given"
@@ -802,6 +823,7 @@ def convert(model: nn.Module, *, filter_fn: Optional[Callable[[str, nn.Module], 
 
     order = {p: i for i, (p, _) in enumerate(target.named_modules(remove_duplicate=False))}
     plan.sort(key=lambda t: order.get(t[2], len(order)))
+    _log.info("swap %d modules", len(plan))
     gained: List[str] = []
     for parent, attr, path, mod, conv in plan:
         if conv is None:
@@ -851,6 +873,7 @@ def convert(model: nn.Module, *, filter_fn: Optional[Callable[[str, nn.Module], 
     if example_input is None:
         report.trace_error_after = "no example_input given"
         return report
+    _log.info("capture and certify the converted model")
     report.certificate_after, report.trace_error_after = _trace(target, example_input, dtype, r0)
     before, after_cert = report.certificate_before, report.certificate_after
     if remove_norms and after_cert is not None:
@@ -859,6 +882,7 @@ def convert(model: nn.Module, *, filter_fn: Optional[Callable[[str, nn.Module], 
         if above:
             refuse("remove_norms=True left residual updates above (1, 1): " + "; ".join(above))
     if before is not None and after_cert is not None:
+        _log.info("certified depths before and after, fixes")
         report.depths = [_depth_change(before.in_dtype(d), after_cert.in_dtype(d), target) for d in table_dtypes]
         lowered = [d for d in report.depths if d.lowered]
         if lowered:
