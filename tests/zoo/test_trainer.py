@@ -70,3 +70,20 @@ def test_trainer_trains_a_zoo_gpt2_and_saves_a_checkpoint(tmp_path):
     other.load_state_dict(load_file(str(tmp_path / "final" / "model.safetensors")), strict=True)
     assert all(torch.equal(v, m.state_dict()[k]) for k, v in other.state_dict().items())
     assert other.lm_head.weight is other.transformer.wte.weight
+
+
+def test_certificate_callback_watches_a_zoo_gpt2_in_a_trainer(tmp_path):
+    tr = pytest.importorskip("transformers")
+    from certblocks.integrations import CertificateCallback
+
+    m = _model()
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids} for ids in (torch.randint(0, 64, (16,), generator=g) for _ in range(8))]
+    args = tr.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=2,
+                                per_device_train_batch_size=4, logging_steps=1, save_strategy="no", disable_tqdm=True)
+    trainer = tr.Trainer(model=m, args=args, train_dataset=data, callbacks=[CertificateCallback(every=1)])
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logged) == 2
+    for h in logged:  # the batch's figures from the model's own loss (its labels): finite headroom in fp16
+        assert h["certblocks/forward_headroom"] > 0 and h["certblocks/backward_headroom_measured"] > 0
