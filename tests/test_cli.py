@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from certblocks import cli
 from certblocks.cli import table
@@ -131,7 +134,123 @@ def test_convert_unknown_timm_model_is_one_line(capsys):
     pytest.importorskip("timm")
     code, out, err = run(capsys, "convert", "timm:nonexist")
     assert code == 2 and out == ""
-    assert_one_line_error(err, "convert", "timm could not create 'nonexist'")
+    assert_one_line_error(err, "convert", "timm could not create 'nonexist': timm has no such model")
+    code, out, err = run(capsys, "convert", "timm:vit_tiny_patch16_22")  # checked in timm's registry: no build
+    assert code == 2 and out == ""
+    assert_one_line_error(err, "convert", "did you mean timm:vit_tiny_patch16_224")
+
+
+def test_convert_passes_timm_only_the_arguments_given(monkeypatch):
+    timm = pytest.importorskip("timm")
+    from certblocks.cli.models import load_backbone
+
+    calls = []
+    create = timm.create_model
+
+    def spy(name, **kwargs):
+        calls.append(kwargs)
+        return create(name, **kwargs)
+
+    monkeypatch.setattr(timm, "create_model", spy)
+    model, example = load_backbone("timm:resnet10t")  # takes no img_size: none is passed
+    assert calls[-1] == {"pretrained": False}
+    assert tuple(example.shape) == (1, *model.pretrained_cfg["input_size"])
+    _, example = load_backbone("timm:vit_tiny_patch16_224", img_size=32, layers=1)
+    assert calls[-1] == {"pretrained": False, "img_size": 32, "depth": 1} and tuple(example.shape) == (1, 3, 32, 32)
+
+
+class _NotExportable(torch.nn.Module):
+    """A residual update whose control flow depends on the input's values: torch.export cannot capture it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return x + self.lin(x)
+        return x - self.lin(x)
+
+
+def test_convert_capture_failure_exits_1_with_one_line(capsys, monkeypatch):
+    from certblocks.cli import models
+
+    monkeypatch.setattr(models, "load_backbone", lambda spec, **kw: (_NotExportable(), torch.randn(1, 3, 4)))
+    code, out, err = run(capsys, "convert", "timm:anything")
+    assert code == 1 and out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("certblocks convert: error: timm:anything: the model could not be "
+                                                   "captured and certified before the conversion: CaptureError"), err
+
+
+@pytest.mark.slow
+def test_convert_with_an_image_too_small_for_the_patches_exits_1(capsys):
+    pytest.importorskip("timm")
+    code, out, err = run(capsys, "convert", "timm:vit_tiny_patch16_224", "--img-size", "7", "--layers", "1")
+    assert code == 1 and out == "" and len(err.splitlines()) == 1 and "could not be captured" in err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["certify", "gpt2_qknorm_tini"], "did you mean gpt2_qknorm_tiny"),
+    (["certify", "timm-vit_tiny_patch16_224"], "did you mean timm:vit_tiny_patch16_224"),
+    (["trajectory", "hf:gtp2"], "did you mean hf:gpt2"),
+    (["convert", "hf:lama"], "did you mean hf:llama"),
+    (["convert", "gpt2"], "MODEL must be timm:NAME"),
+])
+def test_unknown_models_are_answered_with_the_close_names(capsys, argv, needle):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert_one_line_error(err, argv[0], needle)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_is_shown_on_a_terminal_only_and_erased():
+    from certblocks.cli._common import Progress
+
+    tty = _Terminal()
+    p = Progress("convert", stream=tty)
+    p("build", "hf:gpt2")
+    p("capture")
+    assert tty.getvalue().endswith("\r\033[Kcertblocks convert: hf:gpt2: capture ...")
+    p.clear()
+    assert tty.getvalue().endswith("\r\033[K")
+    for stream, quiet in ((io.StringIO(), False), (_Terminal(), True)):  # not a terminal, or --quiet: nothing
+        q = Progress("convert", quiet=quiet, stream=stream)
+        q("build", "x")
+        q.clear()
+        assert stream.getvalue() == ""
+
+
+def test_convert_shows_its_steps_on_a_terminal(capsys, monkeypatch):
+    from certblocks.blocks.attention import Attention
+    from certblocks.cli import models
+
+    class Res(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = Attention(16, 2)
+
+        def forward(self, x):
+            return x + self.attn(x)
+
+    monkeypatch.setattr(models, "load_backbone", lambda spec, **kw: (Res().eval(), torch.randn(1, 4, 16)))
+    tty = _Terminal()
+    monkeypatch.setattr(sys, "stderr", tty)
+    code = cli.main(["convert", "timm:toy", "--dtype", "fp32"])
+    shown = tty.getvalue()
+    assert code == 0, shown
+    for step in ("timm:toy: build", "timm:toy: capture and certify the model before conversion",
+                 "timm:toy: swap 1 modules", "timm:toy: capture and certify the converted model"):
+        assert f"certblocks convert: {step} ..." in shown
+    assert shown.endswith("\r\033[K")  # erased before the result
+    assert "1 swaps" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    assert cli.main(["convert", "timm:toy", "--dtype", "fp32", "--quiet"]) == 0
+    assert sys.stderr.getvalue() == ""
 
 
 @pytest.mark.parametrize("value, got", [("0", "0"), ("-3", "-3"), ("two", "'two'")])

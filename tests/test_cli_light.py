@@ -59,3 +59,9 @@ def test_python_m_certblocks():
     assert res.returncode == 2 and res.stdout == ""
     assert res.stderr.startswith("certblocks zoo: error: argument --dtype: dtype 'fp12' is not supported")
     assert len(res.stderr.splitlines()) == 1
+
+
+def test_unknown_models_are_answered_without_importing_torch():
+    got = probe(["certify", "gpt2_qknorm_tini"], ["convert", "resnet50"], ["certify", "hf:gtp2"],
+                ["trajectory", "timm-vit_tiny"])
+    assert got == {"codes": [2, 2, 2, 2], "loaded": []}

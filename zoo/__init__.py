@@ -4,7 +4,9 @@
 ``register_model`` registers a new entry point.  Every zoo model has ``.certificate(dtype, ...)``
 (a :class:`~certblocks.StackCertificate` over its residual updates, named by module path) and
 refuses at construction, with :class:`~certblocks.CertificationError`, a configuration that is not
-certified at its depth for its certification dtype (default ``"bf16"``) unless ``certify=False``.
+certified at its depth for its certification dtype (default ``"bf16"``) unless ``certify=False``.  Every zoo model
+has ``save_pretrained(dir)`` / ``from_pretrained(dir)`` (safetensors weights and a ``config.json`` with the model's
+name and constructor arguments: :mod:`._hub`).
 
 Families: ``gpt2_qknorm_*`` (:mod:`.gpt2`), ``patchtst_*`` (:mod:`.patchtst`),
 ``mamba_forecaster_*`` (:mod:`.mamba_forecaster`), ``toto_style`` (:mod:`.toto`) and, when timm is
@@ -13,6 +15,7 @@ package imports timm to register them).
 """
 
 from ._base import DEFAULT_CERT_DTYPE, ZooModel
+from ._hub import ZooOutput
 from ._registry import ModelEntry, create_model, list_models, model_entry, register_model
 from .gpt2 import GPT2LoadReport, GPT2QKNorm
 from .mamba_forecaster import MambaForecaster
@@ -28,6 +31,7 @@ __all__ = [
     "PatchTSTForecaster",
     "TotoStyle",
     "ZooModel",
+    "ZooOutput",
     "create_model",
     "list_models",
     "model_entry",

@@ -41,6 +41,8 @@ from certblocks.certificate import BlockCertificate, Peak, StackCertificate, cer
 from certblocks.fixes import Fix, Lever, compute_fixes, format_fixes
 from certblocks.stack import CertificationError, block_certificate
 
+from ._hub import HubMixin
+
 __all__ = ["ZooModel", "DEFAULT_CERT_DTYPE", "normed_linear_head", "renamed"]
 
 #: Certification dtype used at construction when none is given.
@@ -52,7 +54,7 @@ def renamed(cert: BlockCertificate, name: str) -> BlockCertificate:
     return dataclasses.replace(cert, name=name)
 
 
-class ZooModel(nn.Module, metaclass=abc.ABCMeta):
+class ZooModel(nn.Module, HubMixin, metaclass=abc.ABCMeta):
     """Base class of the zoo's models (see the module docstring).
 
     Subclasses set ``self.cert_dtype`` and call :meth:`_certify_or_refuse` at the end of

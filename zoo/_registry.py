@@ -104,7 +104,10 @@ def create_model(name: str, **overrides: Any) -> nn.Module:
     entry = model_entry(name)
     if entry.baseline:
         overrides.setdefault("certify", False)
-    return entry.fn(**overrides)
+    model = entry.fn(**overrides)
+    if isinstance(model, nn.Module):
+        model.__dict__["_hub_name"] = name  # written by save_pretrained (certblocks.zoo._hub)
+    return model
 
 
 def list_models(pattern: str = "*", *, family: Optional[str] = None, include_test: bool = False) -> List[str]:

@@ -42,6 +42,7 @@ from certblocks.bounds import row_norm_max
 from certblocks.certificate import BlockCertificate, cross_entropy_gradient
 
 from ._base import ZooModel, normed_linear_head
+from ._hub import ZooOutput
 from ._registry import register_model
 
 __all__ = ["GPT2QKNorm", "GPT2LoadReport"]
@@ -213,20 +214,49 @@ class GPT2QKNorm(ZooModel):
         return self.block_size
 
     # -- forward -------------------------------------------------------------------------------------------
-    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None
-                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """``idx (B, T) -> (logits (B, T, vocab), loss or None)``, as nanoGPT (logits at every position)."""
+    def forward(self, idx: Optional[torch.Tensor] = None, targets: Optional[torch.Tensor] = None, *,
+                input_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None) -> Any:
+        """nanoGPT's call, or Hugging Face's (what ``transformers.Trainer`` makes).
+
+        * ``model(idx, targets)``: ``idx (B, T) -> (logits (B, T, vocab), loss or None)``, as nanoGPT: ``targets``
+          are the next tokens (already shifted), ``-1`` is ignored.
+        * ``model(input_ids=..., labels=..., attention_mask=...)``: a :class:`~certblocks.zoo.ZooOutput`
+          ``{"loss": ..., "logits": ...}`` (``loss`` with labels only), as an HF causal LM: ``labels`` are the input
+          ids (shifted here: position ``t`` predicts ``labels[t + 1]``), ``-100`` is ignored.  ``attention_mask``
+          may only mark right padding (ones, then zeros): the model is causal, so padding after a sequence does not
+          change it (label the padding ``-100``).
+        """
+        hf = input_ids is not None or labels is not None
+        if hf:
+            if idx is not None or targets is not None:
+                raise TypeError("pass idx/targets (nanoGPT) or input_ids/labels (Hugging Face), not both")
+            if input_ids is None:
+                raise TypeError("labels= needs input_ids=")
+            idx = input_ids
+        elif attention_mask is not None:
+            raise TypeError("attention_mask= goes with input_ids= (the Hugging Face call)")
+        if idx is None:
+            raise TypeError("forward() needs idx (or input_ids=)")
         if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int32, torch.int64) or idx.ndim != 2:
             raise TypeError(f"idx must be an integer tensor of shape (batch, seq_len), got "
                             f"{getattr(idx, 'dtype', type(idx).__name__)} {tuple(getattr(idx, 'shape', ()))}")
         t = idx.shape[1]
         if t > self.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size={self.block_size}")
+        if attention_mask is not None:
+            _check_right_padding(attention_mask, idx)
         pos = torch.arange(t, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for blk in self.transformer.h:
             x = blk(x)
         logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab)
+        if hf:
+            if labels is None:
+                return ZooOutput(logits=logits)
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
+                                   ignore_index=-100)
+            return ZooOutput(loss=loss, logits=logits)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
@@ -302,6 +332,17 @@ class GPT2QKNorm(ZooModel):
         report.loaded = sorted(k for k in new if k not in report.initialized)
         report.dropped = sorted(k for k in sd if k not in used)
         return report
+
+
+def _check_right_padding(mask: torch.Tensor, idx: torch.Tensor) -> None:
+    """``attention_mask`` of ``idx``'s shape that marks right padding only (each row ones, then zeros)."""
+    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(idx.shape):
+        raise ValueError(f"attention_mask must have input_ids' shape {tuple(idx.shape)}, got "
+                         f"{tuple(getattr(mask, 'shape', ()))}")
+    m = mask.to(torch.int64)
+    if bool(((m != 0) & (m != 1)).any()) or bool((m[:, 1:] > m[:, :-1]).any()):
+        raise ValueError("attention_mask must mark right padding only (each row ones, then zeros): a causal model "
+                         "without a mask in its attention cannot skip tokens before the sequence; pad on the right")
 
 
 def _gpt2(size: Tuple[int, int, int, int, int], overrides: Dict[str, Any]) -> GPT2QKNorm:

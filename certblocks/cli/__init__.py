@@ -21,7 +21,8 @@ Exit status:
 * 0 -- success (for ``certify MODEL``: the model is certified in the dtype);
 * 1 -- ``certify MODEL`` ran and the model is NOT certified (``certify`` without MODEL reports every zoo
   model and exits 0: a model that is not certified is a result there); ``trajectory MODEL``: the batch
-  overflows the dtype (headroom <= 0);
+  overflows the dtype (headroom <= 0); ``convert MODEL``: refused (``--strict``), or the model could not be
+  captured and certified before or after the conversion (one line on stderr);
 * 2 -- a bad argument: usage, a value out of range, a MODEL that cannot be built or captured, a file
   that cannot be read; one line ``certblocks <command>: error: ...`` on stderr, no traceback;
 * 3 -- an internal error (a bug): the traceback, then one line saying so, on stderr;
@@ -29,7 +30,12 @@ Exit status:
 
 Start-up stays light: the parser imports a subcommand's module only when that subcommand is asked for,
 and no subcommand module imports torch, timm or transformers at import time. ``certblocks budget`` and
-``certblocks table`` never import torch; no ``--help`` imports timm or transformers.
+``certblocks table`` never import torch; no ``--help`` imports timm or transformers; a MODEL of an unknown form or
+name is answered before torch is imported, with the close names ("did you mean").
+
+Progress: ``certify``, ``convert``, ``trajectory`` and ``zoo`` show on stderr which model and which step they are at
+(build, capture, certify, fixes), on one line erased before the result, when stderr is a terminal and without
+``--quiet``.
 """
 
 from __future__ import annotations

@@ -6,10 +6,12 @@ Nothing here imports torch: the parser of every subcommand is built from this mo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import logging
 import math
 import sys
-from typing import Callable, List, NoReturn
+from typing import Any, Callable, Iterator, List, NoReturn, Optional, TextIO
 
 __all__ = [
     "EXIT_OK",
@@ -19,6 +21,9 @@ __all__ = [
     "EXIT_INTERRUPTED",
     "UsageError",
     "Parser",
+    "Progress",
+    "add_quiet",
+    "progress_of",
     "command",
     "dtype_list",
     "int_at_least",
@@ -61,12 +66,104 @@ def command(name: str) -> Callable[[Callable[[argparse.Namespace], int]], Callab
             try:
                 return run(args)
             except UsageError as exc:
+                _clear_progress()
                 print(f"certblocks {name}: error: {exc}", file=sys.stderr)
                 return EXIT_USAGE
+            finally:
+                _clear_progress()
 
         return checked
 
     return wrap
+
+
+class Progress:
+    """What a long command is doing, on one line of stderr rewritten in place: which model, which step.
+
+    Shown only when stderr is a terminal and the command was not given ``--quiet``; the line is erased before the
+    command prints its result (:meth:`clear`) and when it ends.  Inside :meth:`logging_steps` the library's own
+    steps (``certblocks`` loggers, level ``INFO``: :func:`certblocks.convert` logs capture, certify and fixes) are
+    shown too.
+
+    Args:
+        command: the subcommand (shown first).
+        quiet: never show anything.
+        stream: where to write (default ``sys.stderr``).
+    """
+
+    def __init__(self, command: str, *, quiet: bool = False, stream: Optional[TextIO] = None) -> None:
+        self.command = command
+        self.stream = stream if stream is not None else sys.stderr
+        isatty = getattr(self.stream, "isatty", None)
+        self.enabled = not quiet and callable(isatty) and bool(isatty())
+        self.subject = ""
+        self._shown = False
+
+    def __call__(self, step: str, subject: Optional[str] = None) -> None:
+        """Show ``step`` (for ``subject``, e.g. the model, which is remembered for the next steps)."""
+        if subject is not None:
+            self.subject = subject
+        if not self.enabled:
+            return
+        what = f"{self.subject}: {step}" if self.subject else step
+        self.stream.write(f"\r\033[Kcertblocks {self.command}: {what} ...")
+        self.stream.flush()
+        self._shown = True
+        _SHOWN.append(self)
+
+    def clear(self) -> None:
+        """Erase the progress line (before printing a result)."""
+        if self._shown:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+            self._shown = False
+
+    @contextlib.contextmanager
+    def logging_steps(self) -> Iterator[Progress]:
+        """Show the ``certblocks`` loggers' ``INFO`` records as steps while inside; the line is erased at the end."""
+        handler: Optional[logging.Handler] = None
+        logger = logging.getLogger("certblocks")
+        old_level = logger.level
+        if self.enabled:
+            handler = _ProgressHandler(self)
+            logger.addHandler(handler)
+            if logger.getEffectiveLevel() > logging.INFO:
+                logger.setLevel(logging.INFO)
+        try:
+            yield self
+        finally:
+            if handler is not None:
+                logger.removeHandler(handler)
+                logger.setLevel(old_level)
+            self.clear()
+
+
+_SHOWN: List[Progress] = []  # the progress lines shown: erased when a command ends, before its error line
+
+
+def _clear_progress() -> None:
+    while _SHOWN:
+        _SHOWN.pop().clear()
+
+
+class _ProgressHandler(logging.Handler):
+    def __init__(self, progress: Progress) -> None:
+        super().__init__(logging.INFO)
+        self.progress = progress
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.progress(record.getMessage())
+
+
+def add_quiet(p: argparse.ArgumentParser) -> None:
+    """The ``--quiet`` flag of a command that shows its progress on stderr."""
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="no progress on stderr (it is shown only when stderr is a terminal)")
+
+
+def progress_of(args: Any, command: str) -> Progress:
+    """The :class:`Progress` of a parsed command line (its ``--quiet``)."""
+    return Progress(command, quiet=bool(getattr(args, "quiet", False)))
 
 
 # ---------------------------------------------------------------------------------------------- argument types

@@ -27,11 +27,13 @@ from ._common import (
     EXIT_NOT_CERTIFIED,
     EXIT_OK,
     UsageError,
+    add_quiet,
     command,
     dtype_list,
     int_at_least,
     nonnegative_float,
     positive_float,
+    progress_of,
 )
 from .models import ModelSpecError, load_model
 
@@ -58,6 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "separated by commas (e.g. 'blocks.*.attn')")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--explain", action="store_true", help="also print the per-node table of each update")
+    add_quiet(p)
     p.set_defaults(func=run_certify)
 
 
@@ -74,11 +77,14 @@ def run_certify(args: argparse.Namespace) -> int:
     if args.model is None:
         from .zoo import DEFAULT_DTYPES, run_certify_zoo
 
-        return run_certify_zoo(args.dtype or list(DEFAULT_DTYPES))
+        return run_certify_zoo(args.dtype or list(DEFAULT_DTYPES), progress=progress_of(args, "certify"))
     if args.dtype is not None and len(args.dtype) != 1:
         raise UsageError(f"--dtype takes one dtype with a MODEL, got {','.join(args.dtype)!r}")
     dtype = "bf16" if args.dtype is None else args.dtype[0]
+    progress = progress_of(args, "certify")
+    progress("build", args.model)
     model, example = load_model(args.model, args.seq_len)
+    progress("capture (torch.export) and certify")
 
     from certblocks.trace import CaptureError, ModelCertificate, certify
 
@@ -90,6 +96,7 @@ def run_certify(args: argparse.Namespace) -> int:
     try:
         cert = certify(model, example, residual=residual)
     except (CaptureError, ValueError) as exc:  # a model torch.export cannot capture, --residual matching nothing
+        progress.clear()
         raise UsageError(str(exc)) from None
     updates = cert if isinstance(cert, ModelCertificate) else ModelCertificate([cert], type(model).__name__)
     try:
@@ -100,6 +107,8 @@ def run_certify(args: argparse.Namespace) -> int:
         stack = updates.stack(dtype, r0=r0, dt=args.dt)
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from None
+    finally:
+        progress.clear()
     _print(args, updates, stack)
     return EXIT_OK if stack.ok else EXIT_NOT_CERTIFIED
 

@@ -1,22 +1,88 @@
 """MODEL arguments of ``certblocks certify`` and ``certblocks convert``: a string -> a module and an input.
 
 Random weights, nothing downloaded. torch, timm and transformers are imported when a model is built,
-never when this module is imported (``--help`` stays light).
+never when this module is imported (``--help`` stays light).  A MODEL of an unknown form, an unknown ``hf:`` name or
+an unknown zoo name is refused before torch is imported, with the names it is close to ("did you mean");
+``timm:`` names are checked by timm's registry before anything is built.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
-from typing import TYPE_CHECKING, Any, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
 
 from ._common import UsageError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ModelSpecError", "load_model", "load_backbone"]
+__all__ = ["ModelSpecError", "load_model", "load_backbone", "check_spec", "ZOO_NAMES", "HF_MODELS", "HF_BACKBONES"]
 
 _FORMS = "timm:<name>, hf:gpt2, hf:mamba, hf:llama or module:pkg.mod:factory"
+
+#: The names ``certblocks.zoo.list_models(include_test=True)`` gives: a zoo MODEL is checked against them without
+#: importing torch (``tests/zoo/test_zoo_cli.py`` keeps them in step with the registry).
+ZOO_NAMES = (
+    "certblocks_vit_base_patch16_224", "certblocks_vit_small_patch16_224", "certblocks_vit_test",
+    "certblocks_vit_tiny_patch16_224", "gpt2_qknorm_124m", "gpt2_qknorm_mini", "gpt2_qknorm_test", "gpt2_qknorm_tiny",
+    "mamba_forecaster_free", "mamba_forecaster_free_test", "mamba_forecaster_lg", "mamba_forecaster_lg_test",
+    "mamba_forecaster_periln", "mamba_forecaster_periln_test", "mamba_forecaster_preln", "mamba_forecaster_preln_test",
+    "mamba_forecaster_rms", "mamba_forecaster_rms_test", "patchtst_noln", "patchtst_noln_test", "patchtst_periln",
+    "patchtst_periln_test", "patchtst_preln", "patchtst_preln_test", "patchtst_rms", "patchtst_rms_test", "toto_style",
+    "toto_style_test",
+)
+#: ``hf:<name>`` of ``certify`` and ``trajectory``.
+HF_MODELS = ("gpt2", "gpt2-small", "gpt2-124m", "mamba", "mamba-130m", "llama")
+#: ``hf:<name>`` of ``convert``.
+HF_BACKBONES = ("gpt2", "llama", "mamba")
+_PREFIXES = ("timm", "hf", "module")
+
+
+def _did_you_mean(spec: str, candidates: Sequence[str]) -> str:
+    """``"; did you mean X or Y?"`` from the candidates close to ``spec`` (and ``timm:x`` for ``timm-x``), or ``""``."""
+    close = []
+    for p in _PREFIXES:  # timm-vit_tiny, hf/gpt2, module.pkg: the prefix with another separator
+        rest = spec[len(p) + 1:]
+        if spec.lower().startswith(p) and len(spec) > len(p) + 1 and spec[len(p)] in "-_/. =" and rest:
+            close.append(f"{p}:{rest}")
+    close += difflib.get_close_matches(spec, list(candidates), n=3, cutoff=0.6)
+    close = list(dict.fromkeys(close))
+    return f"; did you mean {' or '.join(close)}?" if close else ""
+
+
+def check_spec(spec: str, *, zoo: bool = True, hf: Sequence[str] = HF_MODELS) -> None:
+    """Check MODEL's form without importing torch.
+
+    Args:
+        spec: the MODEL argument.
+        zoo: zoo names are allowed (``certify``, ``trajectory``; not ``convert``).
+        hf: the allowed ``hf:<name>``.
+
+    Raises:
+        ModelSpecError: an unknown form or name, with the close ones.
+    """
+    if not isinstance(spec, str) or not spec:
+        raise ModelSpecError(f"MODEL must be a non-empty string, got {spec!r}")
+    if spec.startswith("timm:"):
+        if not spec[5:]:
+            raise ModelSpecError("timm:<name> needs a model name, e.g. timm:vit_tiny_patch16_224")
+        return
+    if spec.startswith("hf:"):
+        name = spec[3:].lower()
+        if name not in hf:
+            allowed = ", ".join(f"hf:{n}" for n in hf)
+            raise ModelSpecError(f"hf:{name} is not supported; allowed: {allowed} (random weights from the default "
+                                 "config; hf:llama: GPT-2-small-sized)" + _did_you_mean(spec, [f"hf:{n}" for n in hf]))
+        return
+    if spec.startswith("module:") or (zoo and spec in ZOO_NAMES):
+        return
+    known = [f"hf:{n}" for n in hf] + ["timm:", "module:"] + (list(ZOO_NAMES) if zoo else [])
+    if zoo:
+        raise ModelSpecError(f"{spec!r} is not {_FORMS}, nor a zoo model ('certblocks zoo --names-only --test' lists "
+                             "them)" + _did_you_mean(spec, known))
+    raise ModelSpecError(f"MODEL must be timm:NAME (e.g. timm:vit_tiny_patch16_224), "
+                         f"{', '.join(f'hf:{n}' for n in hf)}, got {spec!r}" + _did_you_mean(spec, known))
 
 
 class ModelSpecError(UsageError):
@@ -35,6 +101,12 @@ def _timm_model(name: str, **kwargs: Any) -> Any:
         import timm
     except ImportError as exc:
         raise ModelSpecError("timm:<name> needs timm (pip install 'certblocks[timm]')") from exc
+    if name.startswith("certblocks_"):
+        importlib.import_module("certblocks.zoo")  # registers certblocks_vit_* in timm
+    if not timm.is_model(name):  # the registry, before building anything
+        hint = _did_you_mean(name, timm.list_models())
+        raise ModelSpecError(f"timm could not create {name!r}: timm has no such model"
+                             + hint.replace("did you mean ", "did you mean timm:").replace(" or ", " or timm:"))
     try:
         return timm.create_model(name, pretrained=False, **kwargs)
     except Exception as exc:  # timm raises RuntimeError for an unknown name, TypeError for an unknown kwarg
@@ -63,8 +135,7 @@ def load_model(spec: str, seq_len: int = 8) -> Tuple[torch.nn.Module, Any]:
     Raises:
         ModelSpecError: the spec names nothing that can be built, or building it failed.
     """
-    if not isinstance(spec, str) or not spec:
-        raise ModelSpecError(f"MODEL must be a non-empty string, got {spec!r}")
+    check_spec(spec)
     if seq_len < 1:
         raise ModelSpecError(f"--seq-len must be >= 1, got {seq_len}")
     import torch
@@ -76,19 +147,16 @@ def load_model(spec: str, seq_len: int = 8) -> Tuple[torch.nn.Module, Any]:
         size = tuple(cfg.get("input_size", (3, 224, 224)))
         return model.eval(), torch.randn(1, *size)
     if spec.startswith("hf:"):
-        name = spec[3:].lower()
+        name = spec[3:].lower()  # one of HF_MODELS (check_spec)
         tr = _transformers()
-        if name in ("gpt2", "gpt2-small", "gpt2-124m"):
+        if name.startswith("gpt2"):
             cfg = tr.GPT2Config()
             return tr.GPT2Model(cfg).eval(), _example_ids(cfg.vocab_size, seq_len)
-        if name in ("mamba", "mamba-130m"):
+        if name.startswith("mamba"):
             cfg = tr.MambaConfig()
             return tr.MambaModel(cfg).eval(), _example_ids(cfg.vocab_size, seq_len)
-        if name == "llama":
-            cfg = _llama_config(tr, 12)
-            return tr.LlamaModel(cfg).eval(), _example_ids(cfg.vocab_size, seq_len)
-        raise ModelSpecError(f"hf:{name} is not supported; allowed: hf:gpt2, hf:mamba, hf:llama (random weights "
-                             "from the default config; hf:llama: GPT-2-small-sized)")
+        cfg = _llama_config(tr, 12)
+        return tr.LlamaModel(cfg).eval(), _example_ids(cfg.vocab_size, seq_len)
     if spec.startswith("module:"):
         return _from_factory(spec)
     return _from_zoo(spec, seq_len)
@@ -171,41 +239,46 @@ def _llama_config(tr: Any, layers: int) -> Any:
                           num_key_value_heads=4, num_hidden_layers=layers)
 
 
-def load_backbone(spec: str, *, img_size: int = 224, layers: Optional[int] = None) -> Tuple[torch.nn.Module, Any]:
+def load_backbone(spec: str, *, img_size: Optional[int] = None, layers: Optional[int] = None
+                  ) -> Tuple[torch.nn.Module, Any]:
     """Resolve ``certblocks convert``'s MODEL to ``(model, example_input)``.
 
     Args:
-        spec: ``timm:NAME`` (on a random ``img_size`` image), ``hf:gpt2``, ``hf:llama`` (a GPT-2-small-sized
-            Llama: width 768, 12 heads, 4 key/value heads) or ``hf:mamba`` (the causal-LM model with random
-            weights, on 64 random token ids).
-        img_size: the image size of timm models.
-        layers: the number of blocks/layers (None: the model's default).
+        spec: ``timm:NAME`` (on a random image of the model's input size), ``hf:gpt2``, ``hf:llama`` (a
+            GPT-2-small-sized Llama: width 768, 12 heads, 4 key/value heads) or ``hf:mamba`` (the causal-LM model with
+            random weights, on 64 random token ids).
+        img_size: the image size of a timm model, passed to timm only when given (default: the model's own).
+        layers: the number of blocks/layers (None: the model's default), passed to timm as ``depth``.
 
     Raises:
         ModelSpecError: an unknown form, a bad size, or the model could not be built.
     """
     if layers is not None and layers < 1:
         raise ModelSpecError(f"--layers must be >= 1, got {layers}")
-    if img_size < 1:
+    if img_size is not None and img_size < 1:
         raise ModelSpecError(f"--img-size must be >= 1, got {img_size}")
+    check_spec(spec, zoo=False, hf=HF_BACKBONES)
     import torch
 
     torch.manual_seed(0)
     if spec.startswith("timm:"):
-        kw: dict = {"img_size": img_size}
+        kw: dict = {}  # only what was given: not every timm model takes img_size or depth
+        if img_size is not None:
+            kw["img_size"] = img_size
         if layers is not None:
             kw["depth"] = layers
         model = _timm_model(spec[5:], **kw).eval()
-        return model, torch.randn(1, 3, img_size, img_size)
-    if spec in ("hf:gpt2", "hf:mamba", "hf:llama"):
-        tr = _transformers()
-        if spec == "hf:gpt2":
-            model = tr.GPT2LMHeadModel(tr.GPT2Config(n_layer=12 if layers is None else layers)).eval()
-        elif spec == "hf:llama":
-            model = tr.LlamaForCausalLM(_llama_config(tr, 12 if layers is None else layers)).eval()
-        else:
-            cfg = tr.MambaConfig(num_hidden_layers=24 if layers is None else layers, use_mambapy=False)
-            model = tr.MambaForCausalLM(cfg).eval()
-        return model, {"input_ids": torch.randint(0, 1000, (1, 64)), "use_cache": False}
-    raise ModelSpecError(f"MODEL must be timm:NAME (e.g. timm:vit_tiny_patch16_224), hf:gpt2, hf:llama or hf:mamba, "
-                         f"got {spec!r}")
+        cfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None) or {}
+        chans, *hw = tuple(cfg.get("input_size", (3, 224, 224)))
+        size = (img_size, img_size) if img_size is not None else tuple(hw)
+        return model, torch.randn(1, chans, *size)
+    tr = _transformers()
+    name = spec[3:].lower()
+    if name == "gpt2":
+        model = tr.GPT2LMHeadModel(tr.GPT2Config(n_layer=12 if layers is None else layers)).eval()
+    elif name == "llama":
+        model = tr.LlamaForCausalLM(_llama_config(tr, 12 if layers is None else layers)).eval()
+    else:
+        cfg = tr.MambaConfig(num_hidden_layers=24 if layers is None else layers, use_mambapy=False)
+        model = tr.MambaForCausalLM(cfg).eval()
+    return model, {"input_ids": torch.randint(0, 1000, (1, 64)), "use_cache": False}

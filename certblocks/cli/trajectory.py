@@ -16,7 +16,16 @@ import os
 import sys
 from typing import Any
 
-from ._common import EXIT_NOT_CERTIFIED, EXIT_OK, UsageError, command, dtype_list, int_at_least
+from ._common import (
+    EXIT_NOT_CERTIFIED,
+    EXIT_OK,
+    UsageError,
+    add_quiet,
+    command,
+    dtype_list,
+    int_at_least,
+    progress_of,
+)
 from .models import load_model
 
 __all__ = ["add_arguments", "run_trajectory", "load_batch", "plot_headroom"]
@@ -41,6 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "needs a batch with the model's targets, e.g. a dict with labels)")
     p.add_argument("--plot", default=None, metavar="PNG", help="draw the headroom per update into PNG (matplotlib)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    add_quiet(p)
     p.set_defaults(func=run_trajectory)
 
 
@@ -68,17 +78,22 @@ def run_trajectory(args: argparse.Namespace) -> int:
     if len(args.dtype) != 1:
         raise UsageError(f"--dtype takes one dtype, got {','.join(args.dtype)!r}")
     batch = load_batch(args.batch) if args.batch is not None else None
+    progress = progress_of(args, "trajectory")
+    progress("build", args.model)
     model, example = load_model(args.model, args.seq_len)
     from certblocks.ondata import trajectory
     from certblocks.trace import CaptureError
 
+    progress("capture and measure the batch's trajectory")
     try:
         rep = trajectory(model, example if batch is None else batch, args.dtype[0], steps=args.steps,
                          certified=not args.no_certified, jacobians=not args.no_jacobians)
     except (CaptureError, ValueError, TypeError, RuntimeError) as exc:  # a batch the model refuses, no updates...
+        progress.clear()
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UsageError(f"{args.model} on {'--batch ' + repr(args.batch) if batch is not None else 'its example'}: "
                          f"{first[:300]}") from None
+    progress.clear()
     if args.json:
         from certblocks.trace.report import jsonable
 

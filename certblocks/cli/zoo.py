@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any, List, Optional, Sequence, TextIO
 
-from ._common import UsageError, command, dtype_list
+from ._common import Progress, UsageError, add_quiet, command, dtype_list, progress_of
 from .formatting import format_exponents, format_number, render_table, verdict
 
 __all__ = ["DEFAULT_DTYPES", "add_arguments", "model_table", "run_certify_zoo", "run_zoo", "zoo_table"]
@@ -66,21 +66,26 @@ def _build(name: str) -> Any:
 
 
 def zoo_table(names: Sequence[str], dtypes: Sequence[str] = DEFAULT_DTYPES, *, markdown: bool = False,
-              models: Optional[dict] = None) -> str:
+              models: Optional[dict] = None, progress: Optional[Progress] = None) -> str:
     """One row per model: family, depth, exponents, certified depth per dtype."""
     from certblocks.zoo import model_entry
 
     rows = []
     for n in names:
+        if progress is not None:
+            progress("build and certify", n)
         m = models[n] if models and n in models else _build(n)
         certs = [m.certificate(d) for d in dtypes]
         rows.append([n, model_entry(n).family, str(certs[0].depth), _exponent_summary(certs[0])]
                     + [verdict(c) for c in certs])
+    if progress is not None:
+        progress.clear()
     return render_table(["model", "family", "D", "(q, sigma)"] + list(dtypes), rows, markdown=markdown)
 
 
 def run_certify_zoo(dtypes: Sequence[str] = DEFAULT_DTYPES, *, names: Optional[Sequence[str]] = None,
-                    markdown: bool = False, include_test: bool = False, stream: Optional[TextIO] = None) -> int:
+                    markdown: bool = False, include_test: bool = False, stream: Optional[TextIO] = None,
+                    progress: Optional[Progress] = None) -> int:
     """Certify every zoo model and print its certificate table for each dtype, then a summary.
 
     Args:
@@ -89,6 +94,7 @@ def run_certify_zoo(dtypes: Sequence[str] = DEFAULT_DTYPES, *, names: Optional[S
         markdown: Markdown tables (for the README).
         include_test: also the small test configurations.
         stream: where to print (default stdout).
+        progress: where to show which model is being built and certified (default: nowhere).
 
     Returns:
         0 (the exit status; a model that is not certified is a result, not an error).
@@ -102,10 +108,14 @@ def run_certify_zoo(dtypes: Sequence[str] = DEFAULT_DTYPES, *, names: Optional[S
     built = {}
     for n in names:
         t = time.perf_counter()
+        if progress is not None:
+            progress("build and certify", n)
         m = _build(n)
         built[n] = m
         table = model_table(m, dtypes, markdown=markdown)
         secs = time.perf_counter() - t
+        if progress is not None:
+            progress.clear()
         title = f"### {n}" if markdown else f"== {n} =="
         timing = "" if markdown else f" ({secs:.1f} s)"  # Markdown output is reproducible (for the README)
         print(f"{title}\n{model_entry(n).description}{timing}\n\n{table}\n", file=out, flush=True)
@@ -123,6 +133,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--detail", action="store_true", help="print each model's full certificate table")
     p.add_argument("--test", action="store_true", help="include the small test configurations")
     p.add_argument("--markdown", action="store_true", help="Markdown tables")
+    add_quiet(p)
     p.set_defaults(func=run_zoo)
 
 
@@ -139,7 +150,9 @@ def run_zoo(args: argparse.Namespace) -> int:
         for n in names:
             print(f"{n:40s} {model_entry(n).family:18s} {model_entry(n).description}")
         return 0
+    progress = progress_of(args, "zoo")
     if args.detail:
-        return run_certify_zoo(args.dtype, names=names, markdown=args.markdown, include_test=args.test)
-    print(zoo_table(names, args.dtype, markdown=args.markdown))
+        return run_certify_zoo(args.dtype, names=names, markdown=args.markdown, include_test=args.test,
+                               progress=progress)
+    print(zoo_table(names, args.dtype, markdown=args.markdown, progress=progress))
     return 0

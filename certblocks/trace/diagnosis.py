@@ -2,7 +2,10 @@
 
 The culprit is the first node whose exponent exceeds its inputs' (or, when the exponents are
 certified, the node that multiplies the Jacobian bound the most); :func:`describe` writes a node as a
-short formula (``SiLU(W_up x)``) for the message.
+short formula (``SiLU(W_up x)``) for the message.  The culprit is an op that grows: ops that only move values
+(views, copies, casts, dropout -- certificates hold in eval mode, where dropout is the identity) are never named;
+the output of a module that carries its own certificate is named as that module (``blocks.3.attn
+(QKNormAttention)``), not as its last op.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ _LABELS = {"silu": "SiLU", "gelu": "GELU", "relu": "ReLU", "sigmoid": "sigmoid",
            "scaled_dot_product_attention": "attention"}
 _LINEAR = ("linear", "addmm", "mm", "matmul", "conv1d", "conv2d", "einsum", "bmm")
 _SYMBOLS = {"mul": "*", "div": "/", "add": "+", "sub": "-"}
+_DROPOUTS = frozenset({"aten.dropout", "aten.feature_dropout", "aten.alpha_dropout", "aten.native_dropout"})
 
 
 def _is_const(it: VelocityInterpreter, name: str) -> bool:
@@ -99,13 +103,20 @@ def _act_deps(it: VelocityInterpreter, names: Tuple[str, ...]) -> List[str]:
     return [d for d in names if it.value_of(d) is not None and not it.value_of(d).const]
 
 
+def _moves_only(it: VelocityInterpreter, n: torch.fx.Node) -> bool:
+    """A node that only moves its input's values (a view, copy, cast or dropout) and is not the output of a
+    module with its own certificate: never the culprit."""
+    return (n.name not in it.certified_calls and n.op == "call_function"
+            and (op_name(n.target) in PASS_THROUGH_OPS or op_name(n.target) in _DROPOUTS))
+
+
 def _largest_jacobian_factor(g: CapturedGraph, it: VelocityInterpreter, nodes: List[torch.fx.Node],
                              where: Any) -> Tuple[str, str, str]:
     """With certified exponents: the node that multiplies the Jacobian bound the most."""
     best, best_ratio = None, 1.0
     for n in nodes:
         av = it.value_of(n.name)
-        if av is None or av.const or av.jacobian is None or n is it.x:
+        if av is None or av.const or av.jacobian is None or n is it.x or _moves_only(it, n):
             continue
         deps = [it.value_of(d) for d in _act_deps(it, av.deps)]
         base = max([d.jacobian.total() for d in deps if d.jacobian is not None], default=1.0)
@@ -123,6 +134,9 @@ def culprit(g: CapturedGraph, it: VelocityInterpreter, out: torch.fx.Node) -> Tu
     nodes = _reachable(it, out)
 
     def where(n: torch.fx.Node) -> str:
+        if n.name in it.certified_calls:  # a module with its own certificate: the module, not its last op
+            call = it.certified_calls[n.name][0]
+            return f"{call.path} ({type(call.module).__name__})"
         return f"{n.name} ({op_name(n.target)}" + (f" in {g.module_path(n)})" if g.module_path(n) else ")")
 
     if not res.exps.known:
@@ -147,7 +161,7 @@ def culprit(g: CapturedGraph, it: VelocityInterpreter, out: torch.fx.Node) -> Tu
     best, best_jump = None, -1.0
     for n in nodes:
         av = it.value_of(n.name)
-        if av is None or av.const or n is it.x:
+        if av is None or av.const or n is it.x or _moves_only(it, n):
             continue
         mine = getattr(av.exps, comp)
         base = max([getattr(it.value_of(d).exps, comp) or 0.0 for d in _act_deps(it, av.deps)], default=0.0)

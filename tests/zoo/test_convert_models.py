@@ -7,10 +7,12 @@ import torch
 from torch import nn
 
 from certblocks.blocks.attention import QKNormAttention
+from certblocks.blocks.gain import LayerScale
 from certblocks.blocks.mamba import LinearGrowthMamba
 from certblocks.blocks.mlp import GatedMLP
-from certblocks.conversion import ConversionReport, convert
+from certblocks.conversion import ConversionReport, ConversionWarning, convert
 from certblocks.exponents import Exponents
+from certblocks.trace import certify
 
 
 def test_timm_vit_tiny():
@@ -19,7 +21,8 @@ def test_timm_vit_tiny():
     src = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32).eval()
     x = torch.randn(1, 3, 32, 32)
     y0 = src(x)
-    rep = convert(src, example_input=x)
+    with pytest.warns(ConversionWarning, match="lowers the certified depth"):
+        rep = convert(src, example_input=x)
     assert isinstance(rep, ConversionReport)
     assert rep.model is not src and type(src.blocks[0].attn).__name__ == "Attention"  # source untouched
     assert len(rep.swaps) == 12 and all(s.after == "QKNormAttention" for s in rep.swaps)
@@ -31,7 +34,26 @@ def test_timm_vit_tiny():
     assert rep.max_q_after <= 1
     # the Q/K/V projections are the source's
     torch.testing.assert_close(rep.model.blocks[0].attn.qkv.weight, src.blocks[0].attn.qkv.weight)
+    # timm's gain slots (nn.Identity without init_values) hold certified gains 1: the function is unchanged, and a
+    # lowered depth is fixed with the lever the model has, init_values (a converted backbone has no dt)
+    assert isinstance(rep.model.blocks[0].ls1, LayerScale) and isinstance(rep.model.blocks[11].ls2, LayerScale)
+    assert any("LayerScale gains" in n for n in rep.notes)
+    low = rep.lowered[0]
+    fixes = {f.lever: f for f in low.fixes}
+    assert "init_values" in fixes and "dt" not in fixes, low.fixes
+    assert "init_values <=" in rep.table()
+    # the culprit is the attention that grows, not the dropout that ends it (certificates are for eval mode)
+    traced = certify(rep.model, x)
+    attn = next(u for u in traced if u.name == "blocks.0.attn")
+    assert "blocks.0.attn (TimmQKNormAttention)" in attn.culprit and "dropout" not in attn.culprit
+    with torch.no_grad():  # apply the fix for real: every gain at the value found, traced again
+        for blk in rep.model.blocks:
+            blk.ls1.gamma.fill_(fixes["init_values"].value)
+            blk.ls2.gamma.fill_(fixes["init_values"].value)
+    again = convert(rep.model, example_input=x, dtypes=(low.dtype,), dtype=low.dtype)
+    assert again.certificate_before.certified_depth >= low.before
     reverted = rep.revert()
+    assert isinstance(reverted.blocks[0].ls1, nn.Identity)
     torch.testing.assert_close(reverted(x), y0)
 
 

@@ -60,3 +60,13 @@ def test_certify_exit_1_when_a_zoo_model_is_not_certified(capsys):
     code, out, err = run(capsys, "certify", "mamba_forecaster_free_test", "--dtype", "fp16")
     assert code == 1 and err == ""
     assert "NOT certified" in out
+
+
+def test_the_cli_knows_every_zoo_name_without_importing_the_zoo():
+    from certblocks.cli.models import ZOO_NAMES, check_spec
+    from certblocks.zoo import list_models, model_entry
+
+    shipped = [n for n in list_models(include_test=True) if model_entry(n).fn.__module__.startswith("certblocks.zoo")]
+    assert sorted(ZOO_NAMES) == shipped  # (other tests register models of their own)
+    for name in ZOO_NAMES:
+        check_spec(name)  # accepted before torch is imported
