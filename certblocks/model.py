@@ -471,11 +471,14 @@ class CertifiedModel:
         """The attention inside update ``k`` (the first submodule with ``attention_stats()``), or ``None``."""
         return attention_module(self.io(k)[0])
 
-    def certificates(self, seq_len: Optional[int] = None) -> List[BlockCertificate]:
+    def certificates(self, seq_len: Optional[int] = None, *, cached: bool = True) -> List[BlockCertificate]:
         """One certificate per update, named by :attr:`names` (float64 linear algebra on one thread: on a busy
-        machine multi-threaded LAPACK on these small matrices was measured many times slower)."""
+        machine multi-threaded LAPACK on these small matrices was measured many times slower).
+
+        ``cached=False`` computes each from its module now: a model's cache is keyed on the parameters' version
+        counters, which a write that hides from them (FSDP2's gathered copies) does not bump."""
         n = self.seq_len if seq_len is None else seq_len
-        if self.kind == "zoo" and callable(getattr(self.module, "update_certificates", None)):
+        if cached and self.kind == "zoo" and callable(getattr(self.module, "update_certificates", None)):
             certs = list(self.module.update_certificates(seq_len=n))  # type: ignore[union-attr]
             return [dataclasses.replace(c, name=name) for c, name in zip(certs, self.names)]
         with one_thread():

@@ -58,8 +58,11 @@ A model without certified blocks is watched on data only: its call is kept by a 
 **How the figures are obtained.**
 
 * Coefficients and margins come from the blocks' own ``certificate()`` (sound upper bounds with
-  float64 norms, on one thread) through :func:`certblocks.certify_stack`: the margins are never
-  optimistic.  Measured cost: ~1.2 s per check for a 6-layer, width-384 GPT-2 on a busy 2-core CPU.
+  float64 norms, on one thread, computed at each check: no cache) through :func:`certblocks.certify_stack`,
+  at the certificate's ``r0`` and ``seq_len`` (the monitor's, else the model's): the margins are never
+  optimistic for inputs inside them.  A forward outside them is the model's envelope's to report
+  (:class:`certblocks.model.Envelope`: its ``certificate()`` is then computed at the envelope used).
+  Measured cost: ~1.2 s per check for a 6-layer, width-384 GPT-2 on a busy 2-core CPU.
 * ``kappa`` and the ``opnorm`` figures are *estimates* from warm-started power iteration: the previous
   top singular vector of each matrix is kept and ``power_iters`` iterations (``power_iters_init`` the
   first time) refine it.  A power-iteration value is ``||A v|| / ||v||`` for some ``v``, so it never
@@ -103,7 +106,7 @@ from ._validation import NonFiniteWeightError, check_int
 from .blocks.stats import power_norm as _power_step
 from .bounds import one_thread
 from .budget import dtype_name, float_max
-from .certificate import BlockCertificate, StackCertificate
+from .certificate import BlockCertificate, StackCertificate, certify_stack
 from .model import (
     CertificateWarning,
     CertifiedModel,
@@ -373,8 +376,9 @@ class CertificateMonitor:
             self.records.append(rec)
             return rec
         try:
-            # the model's own chain (a zoo model's head certificate, a stack's given certificates), no envelope kept
-            stack = ups.certificate(self.dtype, record_envelope=False)
+            # the updates' stack at the certified r0 and seq_len (the model's envelope is its certificate()'s
+            # business), each certificate computed now from the weights as they are (no cache: FSDP2 writes)
+            certs = ups.certificates(cached=False)
         except NonFiniteWeightError as exc:  # record and alert; the training loop decides what to do
             rec = {"step": self.step_count, "stack/ok": False, "nonfinite": str(exc)}
             self.records.append(rec)
@@ -382,7 +386,7 @@ class CertificateMonitor:
                         "value": math.nan, "threshold": self.threshold,
                         "message": f"step {self.step_count}: {exc}; no certificate for these weights"})
             return rec
-        certs = list(stack.updates)
+        stack = certify_stack(certs, self.dtype, dt=ups.dt, r0=ups.radius(), lip_g=ups.lip_g)
         rec = {"step": self.step_count}
         rec.update(self._stack_figures(stack))
         for k, (name, m, cert) in enumerate(zip(ups.names, ups.modules, certs)):

@@ -229,7 +229,7 @@ class ZooModel(nn.Module, metaclass=abc.ABCMeta):
         if env is not None:
             x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
             if x is not None:
-                param = next(self.parameters(), None)
+                param = None if x.is_floating_point() else next(self.parameters(), None)  # token ids: the weights'
                 env.check(x, dtype=None if param is None else param.dtype, state=False, stacklevel=5)
         return super().__call__(*args, **kwargs)
 
