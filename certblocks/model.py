@@ -210,7 +210,8 @@ def envelope_paused() -> Iterator[None]:
 
 def _tracing(x: Any) -> bool:
     """A graph is being captured (compile, export, jit, fx) or the tensor is a transform's wrapper: no check."""
-    if getattr(_PAUSE, "depth", 0) or torch.compiler.is_compiling() or torch.jit.is_tracing():
+    if getattr(_PAUSE, "depth", 0) or torch.compiler.is_compiling() or torch.compiler.is_exporting() \
+            or torch.jit.is_tracing():
         return True
     if not isinstance(x, Tensor) or isinstance(x, torch.fx.Proxy):
         return True
@@ -440,6 +441,9 @@ class CertifiedModel:
     def __len__(self) -> int:
         return len(self.modules)
 
+    def __bool__(self) -> bool:  # a "graph" model has no update listed, and is still a model
+        return True
+
     def __iter__(self) -> Iterator[Tuple[str, nn.Module]]:
         return iter(zip(self.names, self.modules))
 
@@ -618,7 +622,7 @@ class CertifiedModel:
         if self.kind in ("stack", "zoo") and callable(getattr(self.module, "fixes", None)) and not (
                 self.r0_given or self.seq_len_given):
             return list(self.module.fixes(dtype) if self.kind == "zoo" else self.module.fixes())  # type: ignore
-        cert = self.certificate(dtype)
+        cert = self.certificate(dtype, record_envelope=False)
         if cert.ok:
             return []
         extra: List[Fix] = []

@@ -230,7 +230,7 @@ class ZooModel(nn.Module, metaclass=abc.ABCMeta):
             x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
             if x is not None:
                 param = None if x.is_floating_point() else next(self.parameters(), None)  # token ids: the weights'
-                env.check(x, dtype=None if param is None else param.dtype, state=False, stacklevel=5)
+                env.check(x, dtype=None if param is None else param.dtype, state=False, stacklevel=4)
         return super().__call__(*args, **kwargs)
 
     def _certify_or_refuse(self, certify: bool, cert_dtype: Union[str, torch.dtype, None]) -> None:

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from .._validation import check_int
 from ..budget import dtype_name, float_max
-from ..model import as_args, as_certified, envelope_paused, unwrap
+from ..model import as_args, as_certified, envelope_paused, underlying, unwrap
 from .graph import graph_steps
 from .power import LinearizedMap, dense_jacobian_norm, jacobian_spectral_norm
 from .report import HeadTrajectory, TrajectoryReport, UpdateTrajectory
@@ -106,8 +106,9 @@ def trajectory_of_call(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str
     there is no exact ``p_D``; ``capture_cache``: exported graphs kept across calls, see
     :func:`certblocks.trace.capture.capture`)."""
     t0 = time.perf_counter()
-    if not isinstance(unwrap(model), nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(underlying(model), nn.Module):
+        raise TypeError(f"model must be an nn.Module (or a wrapper or ConversionReport of one), got "
+                        f"{type(model).__name__}")
     cm = as_certified(model)
     inner = cm.module
     assert inner is not None
