@@ -85,8 +85,8 @@ from torch.nn.utils import parametrize
 from . import bounds
 from .budget import dtype_name
 from .certificate import BlockCertificate, StackCertificate, certify_stack
+from .model import CertifiedModel, as_certified, underlying
 from .protocol import CapSlot, EnforceableBlock
-from .updates import ResidualUpdates, residual_updates
 
 __all__ = ["enforce", "unenforce", "cap_factor", "cap_ratios", "EnforceReport", "NormCap", "ScaleClamp",
            "SoftplusCeiling"]
@@ -293,16 +293,21 @@ def _is_enforced(module: nn.Module, name: str) -> bool:
         isinstance(p, (NormCap, ScaleClamp, SoftplusCeiling)) for p in module.parametrizations[name])
 
 
-def _worst_stack(plans: List[_Plan], alpha: float, depth: int, ups: ResidualUpdates, dtype: str) -> StackCertificate:
+def _worst_stack(plans: List[_Plan], alpha: float, depth: int, ups: CertifiedModel, dtype: str) -> StackCertificate:
     certs = [p.worst(alpha, ups.seq_len) for p in plans]
     full = [certs[k % len(certs)] for k in range(depth)]
     return certify_stack(full, dtype, dt=ups.dt, r0=ups.radius(), lip_g=ups.lip_g)
 
 
 def _prepare(model: Any, dtype: Union[str, torch.dtype], depth: Optional[int], r0: Optional[float],
-             lip_g: Optional[float], seq_len: Optional[int]) -> Tuple[str, ResidualUpdates, List[_Plan], int]:
+             lip_g: Optional[float], seq_len: Optional[int]) -> Tuple[str, CertifiedModel, List[_Plan], int]:
     dt_name = dtype_name(dtype)
-    ups = residual_updates(model, r0=r0, seq_len=seq_len)
+    ups = as_certified(model, r0=r0, seq_len=seq_len)
+    if not ups.modules:
+        raise TypeError(f"{type(ups.module).__name__} has no certified block (no submodule with certificate() and "
+                        "exponents) for enforce to cap; convert it with certblocks.convert first, or pass (name, "
+                        "module) pairs")
+    ups = dataclasses.replace(ups)  # r0 and lip_g are set below for this search only
     if r0 is None and callable(ups.r0):
         ups.r0 = float(ups.r0())  # freeze: the guarantee is for this radius
     if lip_g is not None:
@@ -319,7 +324,7 @@ def _prepare(model: Any, dtype: Union[str, torch.dtype], depth: Optional[int], r
     return dt_name, ups, [_plan(name, m) for name, m in zip(ups.names, ups.modules)], depth
 
 
-def _search_alpha(plans: List[_Plan], depth: int, ups: ResidualUpdates, dt_name: str) -> Tuple[float, StackCertificate]:
+def _search_alpha(plans: List[_Plan], depth: int, ups: CertifiedModel, dt_name: str) -> Tuple[float, StackCertificate]:
     """The largest common factor (bisection on a log scale, then ``* 0.99``) whose worst case is certified."""
     lo, hi = math.log(1e-8), math.log(1e8)
     if not _worst_stack(plans, math.exp(lo), depth, ups, dt_name).ok:
@@ -403,10 +408,7 @@ def enforce(model: Any, dtype: Union[str, torch.dtype], depth: Optional[int] = N
             path = paths.get(id(sl.module))
             caps[".".join(x for x in (p.name, path, sl.name) if x) if path is not None
                  else f"{p.name}:{type(sl.module).__name__}.{sl.name}"] = values
-    from .stack import CertifiedStack
-
-    if isinstance(model, CertifiedStack):
-        model.recertify()
+    # a stack's or zoo model's certificate() sees the new parametrizations (new caps buffers) and recomputes
     return EnforceReport(alpha, caps, worst, dt_name, depth, done)
 
 
@@ -444,14 +446,13 @@ def unenforce(model: Any) -> int:
     effective (capped) value.
 
     Args:
-        model: any ``nn.Module`` (every enforced tensor below it is restored), a ConversionReport, or
-            ``(name, module)`` pairs.
+        model: any ``nn.Module`` (every enforced tensor below it is restored), a wrapper of one, a
+            ConversionReport, or ``(name, module)`` pairs.
 
     Returns:
         The number of tensors restored.
     """
-    if hasattr(model, "model") and hasattr(model, "swaps") and isinstance(model.model, nn.Module):
-        model = model.model
+    model = underlying(model)
     if isinstance(model, nn.Module):
         mods = list(model.modules())
     elif isinstance(model, (list, tuple)):

@@ -11,9 +11,10 @@ Hugging Face ``transformers.Trainer``.
 
 Each checked step (every ``every`` optimizer steps, the first included) the monitor computes the on-data
 certificate of the step's batch before the optimizer step (``on_pre_optimizer_step``: the gradient of the batch is
-there, the weights are those that produced it).  A model without certified blocks (an unconverted HF GPT-2) is
-watched on data only, from its graph (:func:`certblocks.trajectory`; with ``labels`` in the batch the model's own
-loss gives the exact costate ``p_D``).
+there, the weights are those that produced it).  The model is read by :func:`certblocks.model.as_certified` (a zoo
+model, a converted HF model -- its attentions called with HF's keywords, returning HF's tuples --, any wrapper of
+one).  A model without certified blocks (an unconverted HF GPT-2) is watched on data only, from its graph
+(:func:`certblocks.trajectory`; with ``labels`` in the batch the model's own loss gives the exact costate ``p_D``).
 
 * the figures: one ``info`` line on the Trainer's logger (``transformers.trainer``) per check, and the
   ``certblocks/headroom`` (nats), ``certblocks/forward_headroom`` and ``certblocks/backward_headroom`` of the last check

@@ -58,8 +58,11 @@ A model without certified blocks is watched on data only: its call is kept by a 
 **How the figures are obtained.**
 
 * Coefficients and margins come from the blocks' own ``certificate()`` (sound upper bounds with
-  float64 norms, on one thread) through :func:`certblocks.certify_stack`: the margins are never
-  optimistic.  Measured cost: ~1.2 s per check for a 6-layer, width-384 GPT-2 on a busy 2-core CPU.
+  float64 norms, on one thread, computed at each check: no cache) through :func:`certblocks.certify_stack`,
+  at the certificate's ``r0`` and ``seq_len`` (the monitor's, else the model's): the margins are never
+  optimistic for inputs inside them.  A forward outside them is the model's envelope's to report
+  (:class:`certblocks.model.Envelope`: its ``certificate()`` is then computed at the envelope used).
+  Measured cost: ~1.2 s per check for a 6-layer, width-384 GPT-2 on a busy 2-core CPU.
 * ``kappa`` and the ``opnorm`` figures are *estimates* from warm-started power iteration: the previous
   top singular vector of each matrix is kept and ``power_iters`` iterations (``power_iters_init`` the
   first time) refine it.  A power-iteration value is ``||A v|| / ||v||`` for some ``v``, so it never
@@ -100,33 +103,28 @@ import torch
 from torch import nn
 
 from ._validation import NonFiniteWeightError, check_int
-from .blocks.gain import ScaledBranch
+from .blocks.stats import power_norm as _power_step
 from .bounds import one_thread
 from .budget import dtype_name, float_max
 from .certificate import BlockCertificate, StackCertificate, certify_stack
-from .ondata.api import unwrap
-from .ondata.sources import Call, _attention_like, attention_kappa, attention_max_logit
-from .ondata.sources import _power as _power_step
+from .model import (
+    CertificateWarning,
+    CertifiedModel,
+    as_certified,
+    envelope_paused,
+    state_of,
+    velocity_output,
+    without_state,
+)
+from .ondata.sources import Call
 from .ondata.watch import OnDataWatch, autocast_state, batch_of
 from .updates import ResidualUpdates, residual_updates
 
+# CertificateWarning lives in certblocks.model (the envelope's warnings are ones too); importable from here as before
 __all__ = ["CertificateMonitor", "CertificateWarning", "ResidualUpdates", "residual_updates"]
 
 
-class CertificateWarning(UserWarning):
-    """A certificate margin fell below the monitor's threshold (the message names the update and the quantity)."""
-
-
 # ------------------------------------------------------------------------------------------------ helpers
-def _first_tensor(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
-    if args and isinstance(args[0], torch.Tensor):
-        return args[0]
-    for v in kwargs.values():
-        if isinstance(v, torch.Tensor):
-            return v
-    return None
-
-
 def _sample_norms(t: torch.Tensor) -> torch.Tensor:
     """Per-sample norm ``max over tokens of ||token||_2`` (float64), shape ``(batch,)``."""
     t = t.detach().to(torch.float64)
@@ -144,11 +142,13 @@ class CertificateMonitor:
 
     Args:
         model: a :class:`~certblocks.CertifiedStack`, a zoo model, a converted model (or its
-            :class:`~certblocks.ConversionReport`), or ``(name, module)`` pairs (:func:`residual_updates`).
+            :class:`~certblocks.ConversionReport`), a wrapper of one (DDP, FSDP, ``torch.compile``), ``(name,
+            module)`` pairs, or any other module (watched on data only, from its graph): what
+            :func:`certblocks.model.as_certified` reads.
         dtype: the dtype whose budget the margins refer to (``torch.bfloat16``, ``"fp16"``, ...).
         every: check every ``every`` calls of :meth:`step` (the first check is at step 0).
-        r0: the input radius of the certificate (default: the model's, see :func:`residual_updates`).
-        seq_len: the sequence length of the certificates (default: the model's, see :func:`residual_updates`).
+        r0: the input radius of the certificate (default: the model's, see :func:`~certblocks.model.as_certified`).
+        seq_len: the sequence length of the certificates (default: the model's).
         threshold: warn when a margin is below this value (a number < 1; default 0.1).
         callback: ``callback(alert)`` for each alert, ``alert`` a dict with ``step``, ``update``,
             ``quantity``, ``value``, ``threshold`` and ``message``.
@@ -224,12 +224,14 @@ class CertificateMonitor:
                                   tol=1e-2, logit_samples=self.logit_samples,
                                   basis=headroom_basis, estimate_every=estimate_every
                                   ) if on_data and batch_figures else None
-        try:
-            self.updates: Optional[ResidualUpdates] = residual_updates(model, r0=r0, seq_len=seq_len)
-        except TypeError:  # no certified block: on data only, from the model's graph (certblocks.certify's updates)
-            if self._watch is None or not isinstance(unwrap(model), nn.Module):
-                raise
-            self.updates = None
+        cm = as_certified(model, r0=r0, seq_len=seq_len)
+        if cm.kind == "graph" and self._watch is None:
+            raise TypeError(f"{type(cm.module).__name__} has no certified block (no submodule with certificate() and "
+                            "exponents): convert it with certblocks.convert first, pass (name, module) pairs, or "
+                            "watch it on data only (on_data=True, batch_figures=True)")
+        #: the model as the spine reads it; ``None`` for a model watched on data only (from its graph)
+        self.updates: Optional[CertifiedModel] = None if cm.kind == "graph" else cm
+        self._model = cm
         self.model = model
         self.records: List[Dict[str, Any]] = []
         self.alerts: List[Dict[str, Any]] = []
@@ -243,48 +245,62 @@ class CertificateMonitor:
         self._gen = torch.Generator().manual_seed(0)
         self._inputs: Dict[int, Any] = {}
         self._batch: Optional[Any] = None
+        self._qk_normed: Dict[int, bool] = {}
+        self._warm: Dict[int, Dict[str, torch.Tensor]] = {}
         if self.updates is None:
-            self._handles.append(unwrap(model).register_forward_pre_hook(self._model_hook, with_kwargs=True))
+            assert cm.module is not None
+            self._handles.append(cm.module.register_forward_pre_hook(self._model_hook, with_kwargs=True))
         elif batch_figures:
-            for k, m in enumerate(self.updates.modules):
-                if isinstance(m, ScaledBranch):  # a view outside the model's forward: its branch sees X_k, its gain
-                    self._handles.append(m.branch.register_forward_hook(self._make_input_hook(k), with_kwargs=True))
-                    self._handles.append(m.gain.register_forward_hook(self._make_hook(k, m.branch), with_kwargs=True))
+            for k in range(len(cm.modules)):
+                entry, exit_ = cm.io(k)
+                if entry is not exit_:  # a view outside the model's forward: its entry sees X_k, its exit v(X_k)
+                    self._handles.append(entry.register_forward_hook(self._make_input_hook(k), with_kwargs=True))
+                    self._handles.append(exit_.register_forward_hook(self._make_hook(k, entry), with_kwargs=True))
                 else:
-                    self._handles.append(m.register_forward_hook(self._make_hook(k), with_kwargs=True))
+                    self._handles.append(entry.register_forward_hook(self._make_hook(k), with_kwargs=True))
 
     # -- hooks ----------------------------------------------------------------------------------------------
+    @staticmethod
+    def _call_of(module: nn.Module, args: tuple, kwargs: dict) -> Optional[Tuple[torch.Tensor, tuple, dict, Any]]:
+        """``(X_k, other args, other kwargs, where X_k was passed)`` of a velocity's call (:func:`state_of`)."""
+        found = state_of(module, args, kwargs)
+        if found is None:
+            return None
+        x, where = found
+        rest_args, rest_kwargs = without_state(args, kwargs, where)
+        return x, rest_args, rest_kwargs, where
+
     def _make_input_hook(self, k: int) -> Callable:
         """Keep the input ``X_k`` of a gained update's branch for the gain's hook (which sees ``v(X_k)``)."""
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if self._armed and k not in self._captures:
-                x = _first_tensor(args, kwargs)
-                if x is not None:
-                    self._inputs[k] = (x, args[1:] if args and args[0] is x else (), kwargs)
+                call = self._call_of(module, args, kwargs)
+                if call is not None:
+                    self._inputs[k] = call
         return hook
 
-    def _make_hook(self, k: int, branch: Optional[nn.Module] = None) -> Callable:
+    def _make_hook(self, k: int, entry: Optional[nn.Module] = None) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if not self._armed or k in self._captures:
                 return
-            x = _first_tensor(args, kwargs)
-            rest = (args[1:] if args and args[0] is x else (), kwargs)
-            if branch is not None:
-                x, *rest = self._inputs.pop(k, (None, (), {}))
-            module = module if branch is None else branch
-            y = output[0] if isinstance(output, (tuple, list)) else output
-            if x is None or not isinstance(y, torch.Tensor) or x.shape[0] != y.shape[0]:
+            call = self._inputs.pop(k, None) if entry is not None else self._call_of(module, args, kwargs)
+            module = module if entry is None else entry
+            y = velocity_output(output)
+            if call is None or y is None or call[0].shape[0] != y.shape[0]:
                 return
+            x, rest_args, rest_kwargs, where = call
             cap: Dict[str, Any] = {"x_norm": _sample_norms(x), "v_norm": _sample_norms(y), "v": y.detach(),
-                                   "grad": None, "x": x.detach(), "rest": tuple(rest),
+                                   "grad": None, "x": x.detach(), "rest": (rest_args, rest_kwargs), "where": where,
                                    "autocast": autocast_state(x.device.type)}
             if y.requires_grad:
                 def grad_hook(g: torch.Tensor) -> None:
                     if cap["grad"] is None:
                         cap["grad"] = g.detach()
                 y.register_hook(grad_hook)
-            if _attention_like(module):
-                cap["max_logit"] = attention_max_logit(module, x, self.logit_samples)
+            if callable(getattr(module, "attention_stats", None)):  # the update is an attention: X_k is its input
+                with envelope_paused():
+                    stats = module.attention_stats(x, samples=self.logit_samples, kappa=False)
+                cap["max_logit"] = stats.get("max_logit")
             self._captures[k] = cap
         return hook
 
@@ -308,12 +324,13 @@ class CertificateMonitor:
         return sigma
 
     def _kappa(self, k: int, m: nn.Module) -> float:
-        """``max_h ||W_Q^{hT} W_K^h||`` by warm-started power iteration (an estimate from below)."""
-        v0 = self._vectors.get((k, "kappa"))
-        warm = v0 is not None and tuple(v0.shape) == (m.num_heads, m.dim)
-        iters = self.power_iters if warm else self.power_iters_init
-        kap, self._vectors[(k, "kappa")] = attention_kappa(m, v0 if warm else None, iters, self._gen)
-        return kap
+        """``max_h ||W_Q^{hT} W_K^h||`` by warm-started power iteration (an estimate from below): the attention's
+        ``attention_stats()``, its start vectors kept across checks."""
+        warm = self._warm.setdefault(k, {})
+        iters = self.power_iters if "kappa" in warm else self.power_iters_init
+        stats = m.attention_stats(None, warm=warm, iters=iters, generator=self._gen)
+        self._qk_normed[k] = bool(stats.get("qk_norm"))
+        return float(stats["kappa"])
 
     def _opnorm(self, k: int, sub: str, w: torch.Tensor) -> float:
         w = w.detach().to("cpu", torch.float64)
@@ -353,12 +370,15 @@ class CertificateMonitor:
         if ups is None:  # on data only
             rec: Dict[str, Any] = {"step": self.step_count}
             if self._batch is not None:
-                assert self._watch is not None
-                self._record_data(rec, self._watch.from_batch(unwrap(self.model), *self._batch))
+                assert self._watch is not None and self._model.module is not None
+                with envelope_paused():
+                    self._record_data(rec, self._watch.from_batch(self._model.module, *self._batch))
             self.records.append(rec)
             return rec
         try:
-            certs = ups.certificates()
+            # the updates' stack at the certified r0 and seq_len (the model's envelope is its certificate()'s
+            # business), each certificate computed now from the weights as they are (no cache: FSDP2 writes)
+            certs = ups.certificates(cached=False)
         except NonFiniteWeightError as exc:  # record and alert; the training loop decides what to do
             rec = {"step": self.step_count, "stack/ok": False, "nonfinite": str(exc)}
             self.records.append(rec)
@@ -374,7 +394,8 @@ class CertificateMonitor:
         self.records.append(rec)
         self._alert(rec, stack)
         if self._watch is not None and len(self._captures) == len(ups.modules):
-            self._record_data(rec, self._watch_calls(rec, certs))
+            with envelope_paused():
+                self._record_data(rec, self._watch_calls(rec, certs))
         return rec
 
     def _watch_calls(self, rec: Dict[str, Any], certs: List[BlockCertificate]) -> Any:
@@ -382,13 +403,14 @@ class CertificateMonitor:
         ups = self.updates
         assert ups is not None and self._watch is not None
         caps = [self._captures[k] for k in range(len(ups.modules))]
-        calls = [Call(n, m, c["x"], c["rest"][0], c["rest"][1], c["v"])
-                 for n, m, c in zip(ups.names, ups.modules, caps)]
+        # a view update (its entry and exit apart) is called as itself, the state first
+        calls = [Call(n, m, c["x"], c["rest"][0], c["rest"][1], c["v"], c["where"] if ups.io(k)[0] is m else 0)
+                 for k, (n, m, c) in enumerate(zip(ups.names, ups.modules, caps))]
         grad = caps[-1]["grad"]
         kappas = {k: rec[f"{n}/kappa"] for k, n in enumerate(ups.names) if rec.get(f"{n}/kappa") is not None}
         return self._watch.from_calls(calls, dt=ups.dt, certs=certs, p_d=None if grad is None else grad / ups.dt,
                                       lip_g=ups.lip_g, kappas=kappas, state=caps[0]["autocast"],
-                                      model=type(unwrap(self.model)).__name__)
+                                      model=type(self._model.module).__name__)
 
     def _record_data(self, rec: Dict[str, Any], report: Any) -> None:
         """The on-data figures into ``rec``, and their alerts."""
@@ -435,10 +457,11 @@ class CertificateMonitor:
                 out["cosine"] = None
         else:
             out.update({"saturation": None, "state_norm": None, "velocity_norm": None, "cosine": None})
-        if isinstance(m, ScaledBranch):  # a gained update: the branch's figures, and the gain max |gamma|
-            out["gain"] = m.gain.bound()
-            m = m.branch
-        if _attention_like(m):
+        gain = getattr(m, "gain_bound", None)
+        if callable(gain):  # a gained update: the gain max |gamma|, and its branch's figures
+            out["gain"] = float(gain())
+        m = self.updates.io(k)[0] if self.updates is not None else m
+        if callable(getattr(m, "attention_stats", None)):
             out["kappa"] = self._kappa(k, m)
             out["max_logit"] = cap.get("max_logit") if cap is not None else None
         for sub, lin in m.named_modules():
@@ -482,9 +505,9 @@ class CertificateMonitor:
                 break
         # 4. kappa growth of attention without QK-norm (the early-warning signal of THEORY.md section 5)
         if self.kappa_growth is not None:
-            for k, (name, m) in enumerate(zip(names, self.updates.modules)):
+            for k, name in enumerate(names):
                 kap = rec.get(f"{name}/kappa")
-                if kap is None or getattr(m, "qk_norm", None) is not None:
+                if kap is None or self._qk_normed.get(k, False):  # QK-norm: kappa does not drive the Jacobian
                     continue
                 first = self._kappa0.setdefault(k, kap)
                 if first > 0 and kap >= self.kappa_growth * first:

@@ -15,21 +15,36 @@ scales, the largest ``softplus`` of a Mamba block's ``delta`` bias). It lists th
 :class:`CapSlot` s and computes a certificate from caps on them with the SAME function its ``certificate()``
 uses (:meth:`EnforceableBlock.certificate_from_caps`): :func:`certblocks.enforce` caps the tensors by
 parametrizations and then that certificate holds for every parameter value.
+
+**Capabilities.**  What else a block can do is a method it exposes, read by the monitor, the on-data certificate,
+:func:`certblocks.enforce` and the fixes (never a check of its class; :mod:`certblocks.model`):
+
+* ``levers() -> List[Lever]`` (:class:`LeveredBlock`): the knobs a fix may name (``init_values`` of a branch gain,
+  ``qk_norm_eps``), each with the map from the certificate at the current value to the certificate at another;
+* ``cap_slots()`` / ``certificate_from_caps()`` (:class:`EnforceableBlock`);
+* ``attention_stats(x=None, *, samples, kappa, warm, iters, generator) -> dict`` (:class:`AttentionBlock`): an
+  attention's query-key coefficient ``kappa`` and its largest logit on ``x`` (:mod:`certblocks.blocks.stats`);
+* ``velocity_io() -> (entry, exit)``: an update that is a view outside the model's forward (a gained branch): the
+  module that receives the state and the one that returns the velocity.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, List, Mapping, Optional, Protocol, Tuple, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Mapping, Optional, Protocol, Tuple, runtime_checkable
 
 from .certificate import BlockCertificate
 from .exponents import Exponents
 
 if TYPE_CHECKING:  # pragma: no cover
-    from torch import nn
+    import torch
+    from torch import Tensor, nn
 
-__all__ = ["CapSlot", "CertifiedBlock", "EnforceableBlock", "CAP_KINDS", "linear_cap_slots", "softplus_ceiling"]
+    from .fixes import Lever
+
+__all__ = ["CapSlot", "CertifiedBlock", "EnforceableBlock", "LeveredBlock", "AttentionBlock", "CAP_KINDS",
+           "linear_cap_slots", "softplus_ceiling"]
 
 #: ``"matrix"``: spectral norm of each row block; ``"vector"``: Euclidean norm of each part; ``"clamp"``: the
 #: largest absolute entry (a normalization's scale, a convolution's taps); ``"softplus"``: the largest
@@ -109,6 +124,26 @@ class EnforceableBlock(CertifiedBlock, Protocol):
 
         A key absent from ``caps`` is a part that does not exist (a bias-free layer): its norm is 0.
         """
+        ...
+
+
+@runtime_checkable
+class LeveredBlock(Protocol):
+    """A block whose certificate depends on some of its settings in a known way (the fixes' levers)."""
+
+    def levers(self) -> List[Lever]:
+        """The levers, each with its current value (empty: none)."""
+        ...
+
+
+@runtime_checkable
+class AttentionBlock(Protocol):
+    """An attention that reports its query-key coefficient and largest logit (diagnostics, not bounds)."""
+
+    def attention_stats(self, x: Optional[Tensor] = None, *, samples: int = 8, kappa: bool = True,
+                        warm: Optional[Dict[str, Tensor]] = None, iters: int = 50,
+                        generator: Optional[torch.Generator] = None) -> Dict[str, Any]:
+        """``{"kappa", "max_logit", "qk_norm"}``."""
         ...
 
 

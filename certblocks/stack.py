@@ -9,13 +9,15 @@ stack is not certified at its depth for the chosen dtype.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, List, Sequence, Tuple, Union
+import math
+import warnings
+from typing import Any, Iterable, List, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ._validation import check_finite
+from ._validation import check_finite, check_int
 from .bounds import one_thread
 from .budget import dtype_name
 from .certificate import BlockCertificate, StackCertificate, certify_stack
@@ -130,26 +132,90 @@ def _fixes(stack: CertifiedStack, cert: StackCertificate) -> List[Fix]:
     return compute_fixes(cert, levers={k: v for k, v in levers.items() if v}, extra=extra)
 
 
+class _CertificateAccess:
+    """What ``stack.certificate`` is while the property is deprecated: call it (``stack.certificate()``, the
+    method); reading an attribute of the certificate through it (``stack.certificate.ok``) still works for one
+    release, with a ``DeprecationWarning``."""
+
+    __slots__ = ("_stack",)
+
+    def __init__(self, stack: CertifiedStack) -> None:
+        object.__setattr__(self, "_stack", stack)
+
+    def __call__(self, dtype: Union[str, torch.dtype, None] = None, *, seq_len: int | None = None,
+                 r0: float | None = None) -> StackCertificate:
+        return self._stack._certificate_now(dtype, seq_len=seq_len, r0=r0)
+
+    def _deprecated(self) -> StackCertificate:
+        warnings.warn("CertifiedStack.certificate is a method: call stack.certificate() (reading the certificate's "
+                      "attributes through the property is deprecated and will be removed in the next release)",
+                      DeprecationWarning, stacklevel=3)
+        return self._stack._certificate_now()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._deprecated(), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("CertifiedStack.certificate is a method; a StackCertificate is immutable")
+
+    def __eq__(self, other: object) -> bool:
+        return self._deprecated() == (other._deprecated() if isinstance(other, _CertificateAccess) else other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __str__(self) -> str:
+        return str(self._deprecated())
+
+    def __repr__(self) -> str:
+        return f"<bound method CertifiedStack.certificate of {type(self._stack).__name__} with " \
+               f"{len(self._stack.blocks)} blocks>"
+
+    def __dir__(self) -> List[str]:
+        return sorted(set(dir(StackCertificate)) | {"__call__"})
+
+
+class _CertificateMethod:
+    """The ``certificate`` descriptor: ``stack.certificate(...)`` is the method; ``stack.certificate.<attr>`` the
+    deprecated property's reading (:class:`_CertificateAccess`)."""
+
+    def __get__(self, obj: Any, owner: type) -> Any:
+        if obj is None:
+            return owner._certificate_now
+        return _CertificateAccess(obj)
+
+
 class CertifiedStack(nn.Module):
     """A residual stack ``X_{k+1} = X_k + dt * v_k(X_k)`` with its certificate.
 
-    Build it with :func:`build_stack`.  ``certificate`` is never stale: reading it recomputes the
-    certificate when any parameter or buffer changed since the last computation (their identities and
-    version counters, which every in-place update, optimizer step and ``load_state_dict`` bumps);
-    :meth:`recertify` forces the computation and can raise when the stack is no longer certified.  A write
-    that hides from the version counter (``torch.autograd._unsafe_preserve_version_counter``, as FSDP2 uses
-    for its gathered copies) is not seen: call :meth:`recertify` after one.
+    Build it with :func:`build_stack`.  :meth:`certificate` is never stale: it recomputes the certificate when any
+    parameter or buffer changed since the last computation (their identities and version counters, which every
+    in-place update, optimizer step and ``load_state_dict`` bumps) and nothing else computes it (``repr`` shows
+    the last one computed); :meth:`recertify` forces the computation and can raise when the stack is no longer
+    certified.  A write that hides from the version counter (``torch.autograd._unsafe_preserve_version_counter``,
+    as FSDP2 uses for its gathered copies) is not seen: call :meth:`recertify` after one.
+
+    **Envelope.**  The certificate is for ``dtype``, ``seq_len`` and inputs of per-token norm at most ``r0``
+    (:class:`certblocks.model.Envelope`): a forward on a longer sequence, a larger input or in a narrower compute
+    dtype warns once with :class:`~certblocks.model.EnvelopeWarning` (raises :class:`CertificationError` when
+    ``envelope.strict``), and :meth:`certificate` is then computed at the envelope used.  The check costs a shape
+    and a dtype comparison and one per-token norm of the input per forward; it is skipped under ``torch.compile``
+    and ``torch.export``.
 
     Attributes:
         blocks: the velocities, in depth order.
         dt: the residual step size.
         dtype: the dtype the stack was certified for (canonical name).
-        certificate: the :class:`StackCertificate` of the current weights (a property).
+        r0, seq_len, lip_g: what it was certified with.
+        envelope: the :class:`~certblocks.model.Envelope` of the runs.
     """
+
+    certificate = _CertificateMethod()
 
     def __init__(self, blocks: Sequence[nn.Module], certificate: StackCertificate, *, dt: float,
                  r0: float, lip_g: float, seq_len: int | None = None,
-                 explicit: Sequence[BlockCertificate | None] | None = None) -> None:
+                 explicit: Sequence[BlockCertificate | None] | None = None, strict: bool = False) -> None:
+        from .model import Envelope
+
         super().__init__()
         self.blocks = nn.ModuleList(blocks)
         self.dt = float(dt)
@@ -158,55 +224,90 @@ class CertifiedStack(nn.Module):
         self.lip_g = float(lip_g)
         self.seq_len = seq_len
         self._explicit = list(explicit) if explicit is not None else [None] * len(blocks)
+        self.envelope = Envelope("CertifiedStack", self.dtype, seq_len, self.r0, strict=strict)
         self._certificate = certificate
-        self._certified_state = self._state_key()
+        self._certified_key = self._key(self.dtype, seq_len, self.r0)
 
     def _state_key(self) -> tuple:
         return (tuple((id(p), p._version) for p in self.parameters()),
                 tuple((id(b), b._version) for b in self.buffers()))
 
-    @property
-    def certificate(self) -> StackCertificate:
-        """The :class:`StackCertificate` of the current weights (recomputed when they changed)."""
-        if self._state_key() != self._certified_state:
-            self.recertify()
+    def _key(self, dtype: str, seq_len: int | None, r0: float) -> tuple:
+        return self._state_key(), dtype, seq_len, r0
+
+    def _settings(self, dtype: Union[str, torch.dtype, None], seq_len: int | None, r0: float | None
+                  ) -> Tuple[str, int | None, float]:
+        """The certificate's dtype, ``seq_len`` and ``r0``: the given ones, else the envelope used."""
+        used_dtype, used_len, used_r0 = self.envelope.used()
+        dtype = used_dtype if dtype is None else dtype_name(dtype)
+        seq_len = used_len if seq_len is None else check_int("seq_len", seq_len)
+        if r0 is None:
+            r0 = self.r0 if used_r0 is None else used_r0
+        elif isinstance(r0, bool) or not isinstance(r0, (int, float)) or not math.isfinite(r0) or r0 < 0:
+            raise ValueError(f"r0 must be a finite number >= 0 or None, got {r0!r}")
+        return dtype, seq_len, float(r0)
+
+    def _certificate_now(self, dtype: Union[str, torch.dtype, None] = None, *, seq_len: int | None = None,
+                         r0: float | None = None) -> StackCertificate:
+        """The :class:`StackCertificate` of the current weights (recomputed when they changed).
+
+        Args:
+            dtype: the dtype (default: the stack's, or the narrowest compute dtype a forward ran in).
+            seq_len: the sequence length offered to the blocks (default: the stack's, or the longest sequence a
+                forward ran on).
+            r0: bound on the input's per-token norm (default: the stack's, or the largest input a forward saw).
+        """
+        settings = self._settings(dtype, seq_len, r0)
+        if self._key(*settings) != self._certified_key:
+            self._compute(*settings)
         return self._certificate
 
+    _certificate_now.__name__ = "certificate"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.jit.is_scripting():
+            self.envelope.check(x)
         for block in self.blocks:
             x = x + self.dt * block(x)
         return x
 
+    def _compute(self, dtype: str, seq_len: int | None, r0: float) -> StackCertificate:
+        certs = []
+        for k, (block, fixed) in enumerate(zip(self.blocks, self._explicit)):
+            cert = fixed if fixed is not None else block_certificate(block, seq_len=seq_len, prefix=f"blocks.{k}.")
+            if not cert.name:
+                cert = dataclasses.replace(cert, name=f"{k}:{block_class_name(block)}")
+            certs.append(cert)
+        self._certificate = certify_stack(certs, dtype, dt=self.dt, r0=r0, lip_g=self.lip_g)
+        self._certified_key = self._key(dtype, seq_len, r0)
+        return self._certificate
+
     def recertify(self, *, strict: bool = False) -> StackCertificate:
-        """Recompute the certificate from the current weights.
+        """Recompute the certificate from the current weights, at the envelope used (:meth:`certificate`).
 
         Blocks given as ``(module, BlockCertificate)`` pairs keep their given certificate.
 
         Args:
             strict: raise :class:`CertificationError` if the stack is no longer certified.
         """
-        certs = []
-        for k, (block, fixed) in enumerate(zip(self.blocks, self._explicit)):
-            cert = fixed if fixed is not None else block_certificate(block, seq_len=self.seq_len,
-                                                                     prefix=f"blocks.{k}.")
-            if not cert.name:
-                cert = dataclasses.replace(cert, name=f"{k}:{block_class_name(block)}")
-            certs.append(cert)
-        self._certificate = certify_stack(certs, self.dtype, dt=self.dt, r0=self.r0, lip_g=self.lip_g)
-        self._certified_state = self._state_key()
-        if strict and not self._certificate.ok:
-            raise CertificationError(_error_message(self._certificate, self.fixes()), self._certificate)
-        return self._certificate
+        cert = self._compute(*self._settings(None, None, None))
+        if strict and not cert.ok:
+            raise CertificationError(_error_message(cert, self.fixes()), cert)
+        return cert
 
     def fixes(self) -> List[Fix]:
         """For a stack not certified, the value of each lever that certifies it, each certified again
         (:mod:`certblocks.fixes`): the blocks' ``init_values`` / ``qk_norm_eps``, ``dt``, the depth,
         :func:`certblocks.enforce`'s cap factor and a wider dtype when it certifies more.  Empty when certified."""
-        return _fixes(self, self.certificate)
+        return _fixes(self, self._certificate_now())
 
     def extra_repr(self) -> str:
-        c = self.certificate
-        return f"dt={self.dt:g}, dtype={self.dtype}, certified={c.certified_depth}/{c.depth}"
+        """The last certificate computed (no computation here: call :meth:`certificate` for the current one)."""
+        c = self._certificate
+        stale = self._certified_key[0] != self._state_key() or self._certified_key[1:] != self._settings(
+            None, None, None)
+        return (f"dt={self.dt:g}, dtype={self.dtype}, certified={c.certified_depth}/{c.depth}"
+                + (" (as last computed: weights or envelope changed since)" if stale else ""))
 
 
 def block_class_name(module: nn.Module) -> str:
@@ -216,7 +317,8 @@ def block_class_name(module: nn.Module) -> str:
 
 
 def build_stack(blocks: Iterable[BlockSpec], dtype: Union[str, torch.dtype], *, dt: float = 1.0, r0: float = 1.0,
-                lip_g: float = 1.0, seq_len: int | None = None, certify: bool = True) -> CertifiedStack:
+                lip_g: float = 1.0, seq_len: int | None = None, certify: bool = True,
+                strict: bool = False) -> CertifiedStack:
     """Build a certified residual stack, or refuse with :class:`CertificationError`.
 
     Args:
@@ -228,7 +330,10 @@ def build_stack(blocks: Iterable[BlockSpec], dtype: Union[str, torch.dtype], *, 
         lip_g: Lipschitz constant of the loss head in the state.
         seq_len: sequence length, offered to blocks whose certificate depends on it.
         certify: when ``False`` the stack is built even if not certified (its
-            ``certificate`` still tells).
+            ``certificate()`` still tells).
+        strict: a forward outside the certified envelope (a sequence longer than ``seq_len``, an input of
+            per-token norm above ``r0``, a narrower compute dtype) raises :class:`CertificationError` instead of
+            warning once (:attr:`CertifiedStack.envelope`).
 
     Raises:
         CertificationError: the stack is not certified at its depth; the message
@@ -236,9 +341,12 @@ def build_stack(blocks: Iterable[BlockSpec], dtype: Union[str, torch.dtype], *, 
             the culprit's fix and the computed value of each lever that certifies
             the stack (:meth:`CertifiedStack.fixes`).
     """
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool, got {strict!r}")
     modules, certs, explicit = _split(blocks, seq_len)
     cert = certify_stack(certs, dtype_name(dtype), dt=dt, r0=r0, lip_g=lip_g)
-    stack = CertifiedStack(modules, cert, dt=dt, r0=r0, lip_g=lip_g, seq_len=seq_len, explicit=explicit)
+    stack = CertifiedStack(modules, cert, dt=dt, r0=r0, lip_g=lip_g, seq_len=seq_len, explicit=explicit,
+                           strict=strict)
     if certify and not cert.ok:
         raise CertificationError(_error_message(cert, _fixes(stack, cert)), cert)
     return stack

@@ -166,7 +166,8 @@ class ZooModel(nn.Module, HubMixin, metaclass=abc.ABCMeta):
         """The certificate of the model's chain (embedding bound, residual updates, head) from its current weights.
 
         Args:
-            dtype: the dtype (default: the model's ``cert_dtype``).
+            dtype: the dtype (default: the model's ``cert_dtype``, or the narrower compute dtype a forward ran in:
+                :attr:`envelope`).
             r0: bound on the per-token norm of the first update's input (default:
                 :meth:`input_radius`, computed from the embedding weights).
             seq_len: sequence length of the residual stream (default: :meth:`certificate_seq_len`).
@@ -177,10 +178,12 @@ class ZooModel(nn.Module, HubMixin, metaclass=abc.ABCMeta):
         r = self._radius() if r0 is None else float(r0)
         certs = self.update_certificates(seq_len=seq_len)
         head = self._cached("_head_cache", self.head_certificate) if lip_g is None else None
+        if dtype is None:
+            env = self.__dict__.get("envelope")
+            dtype = env.used()[0] if env is not None else self.cert_dtype
         if head is not None:
-            return certify_stack(certs, dtype or self.cert_dtype, dt=dt, r0=r, head=head,
-                                 loss_grad=self.loss_gradient)
-        return certify_stack(certs, dtype or self.cert_dtype, dt=dt, r0=r, lip_g=1.0 if lip_g is None else lip_g)
+            return certify_stack(certs, dtype, dt=dt, r0=r, head=head, loss_grad=self.loss_gradient)
+        return certify_stack(certs, dtype, dt=dt, r0=r, lip_g=1.0 if lip_g is None else lip_g)
 
     def levers(self, seq_len: Optional[int] = None) -> Dict[int, List[Lever]]:
         """The block levers of each residual update (``qk_norm_eps``, ``init_values``), by update index.
@@ -221,10 +224,32 @@ class ZooModel(nn.Module, HubMixin, metaclass=abc.ABCMeta):
                     f"certblocks.enforce(model, {cert.dtype!r}) with cap factor {alpha:.3g} "
                     f"({'keeps' if alpha >= 1 else 'shrinks'} the current weights)")]
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The forward, after the envelope's check of its compute dtype (:attr:`envelope`; skipped while
+        ``torch.compile`` / ``torch.export`` trace the model).  TorchScript compiles ``forward`` alone."""
+        env = self.__dict__.get("envelope")
+        if env is not None:
+            x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+            if x is not None:
+                param = None if x.is_floating_point() else next(self.parameters(), None)  # token ids: the weights'
+                env.check(x, dtype=None if param is None else param.dtype, state=False, stacklevel=4)
+        return super().__call__(*args, **kwargs)
+
     def _certify_or_refuse(self, certify: bool, cert_dtype: Union[str, torch.dtype, None]) -> None:
-        """Set ``cert_dtype``; when ``certify``, raise :class:`CertificationError` if the model is not certified."""
+        """Set ``cert_dtype`` and the :attr:`envelope`; when ``certify``, raise :class:`CertificationError` if the
+        model is not certified.
+
+        The envelope (:class:`certblocks.model.Envelope`) checks the compute dtype of each forward (the autocast
+        dtype, else the input's or the parameters' dtype): one narrower than ``cert_dtype`` warns once with
+        :class:`~certblocks.model.EnvelopeWarning` (raises with ``model.envelope.strict = True``) and
+        :meth:`certificate` is then computed in it.  The sequence length is not checked: the zoo's models refuse
+        longer inputs themselves (``block_size``, a fixed context or image size), and ``r0`` is derived from the
+        embedding, valid for every input."""
+        from certblocks.model import Envelope
+
         check_bool("certify", certify)
         self.cert_dtype = dtype_name(cert_dtype if cert_dtype is not None else DEFAULT_CERT_DTYPE)
+        self.envelope = Envelope(type(self).__name__, self.cert_dtype)
         if not certify:
             return
         cert = self.certificate()

@@ -72,6 +72,7 @@ from ..protocol import CapSlot, linear_cap_slots
 from .attention_sources import read_source
 from .masks import attention_mask
 from .qk_norm import QK_NORMS, QKNorm, SplitQKVRMSNorm
+from .stats import stats
 
 __all__ = ["Attention", "AttentionNorms", "QKNormAttention", "QKNorm", "attention_mask", "check_input"]
 
@@ -342,6 +343,16 @@ class _SelfAttention(nn.Module):
         check_cert_args(seq_len, r0)
         check_finite(self)
         return self._certificate(self._norms(seq_len))
+
+    def attention_stats(self, x: Optional[torch.Tensor] = None, *, samples: int = 8, kappa: bool = True,
+                        warm: Optional[Dict[str, torch.Tensor]] = None, iters: int = 50,
+                        generator: Optional[torch.Generator] = None) -> Dict[str, Any]:
+        """``{"kappa", "max_logit", "qk_norm"}``: the query-key coefficient ``max_h ||W_Q^{hT} W_K^h||`` (power
+        iteration from ``warm``'s vectors, ``iters`` steps; ``kappa=False`` skips it) and the largest logit on the
+        first ``samples`` samples of ``x`` (``None`` without ``x``); diagnostics, :mod:`certblocks.blocks.stats`."""
+        return stats(self._head_weights, lambda xs: self._qkv(xs, fast=False)[:2], self.scale, self.causal,
+                     self.qk_norm is not None, x, samples=samples, kappa=kappa, warm=warm, iters=iters,
+                     generator=generator)
 
     def levers(self) -> List[Lever]:
         """With QK-norm, ``qk_norm_eps``: ``G = ||g||_inf / sqrt(eps)`` is the only place ``eps`` enters the bound, so

@@ -19,7 +19,7 @@ children of one block (timm's ``blk.attn`` and ``blk.ls1``): a view built by a m
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Mapping, Optional
+from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -126,6 +126,15 @@ class ScaledBranch(nn.Module):
         """The branch's certificate scaled by ``max |gamma|`` (module docstring)."""
         check_cert_args(seq_len, r0)
         return scaled_certificate(self.branch.certificate(seq_len=seq_len, r0=r0), self.gain.bound())
+
+    def velocity_io(self) -> Tuple[nn.Module, nn.Module]:
+        """``(branch, gain)``: the modules a model's forward calls for this update (this view is not called
+        itself): the branch receives the state ``X_k``, the gain returns ``v(X_k)``."""
+        return self.branch, self.gain
+
+    def gain_bound(self) -> float:
+        """``max |gamma|`` of the gain (its certificate's scale)."""
+        return self.gain.bound()
 
     def levers(self) -> List[Lever]:
         """The branch's levers (they scale coefficients, which commutes with the gain) and ``init_values``: the

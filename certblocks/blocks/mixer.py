@@ -26,6 +26,7 @@ from .. import bounds
 from .. import kernels as _kernels
 from .._validation import check_bool, check_cert_args, check_finite, check_int, check_real
 from ..exponents import Exponents
+from ..fixes import Lever
 from ..protocol import CapSlot, linear_cap_slots, softplus_ceiling
 
 __all__ = ["SelectiveScanMixer", "normalize_tokens", "decay_rates", "DEFAULT_EPS", "DT_BIAS_LOWER", "A_LOG_MAX"]
@@ -412,6 +413,11 @@ class SelectiveScanMixer(nn.Module):
         }
 
     # ------------------------------------------------------------------ enforce
+    def levers(self) -> List[Lever]:
+        """None: no parameter of this block scales its certificate in closed form (a branch gain is
+        :class:`~certblocks.blocks.ScaledBranch`'s)."""
+        return []
+
     def cap_slots(self) -> List[CapSlot]:
         """The tensors both certificates read, for :func:`certblocks.enforce` (keys of :meth:`_constants_from_caps`).
 

@@ -29,6 +29,7 @@ from .. import bounds
 from .._validation import check_cert_args, check_choice, check_finite, check_input, check_int, check_prob
 from ..certificate import BlockCertificate
 from ..exponents import Exponents
+from ..fixes import Lever
 from ..protocol import CapSlot, linear_cap_slots
 
 __all__ = ["MLP", "GatedMLP", "activation_name"]
@@ -184,6 +185,11 @@ class MLP(nn.Module):
             c=bounds.sandwich_norm(w2, w1, *act.ratio, a_norm=n2, b_norm=n1, ab_norm=n21),
             l0=bounds.sandwich_norm(w2, w1, *act.derivative, a_norm=n2, b_norm=n1, ab_norm=n21)))
 
+    def levers(self) -> List[Lever]:
+        """None: no parameter of this block scales its certificate in closed form (a branch gain is
+        :class:`~certblocks.blocks.ScaledBranch`'s)."""
+        return []
+
     def cap_slots(self) -> List[CapSlot]:
         """``fc1`` (keys ``a1``, ``beta1``) and ``fc2`` (``a2``, ``beta2``)."""
         return linear_cap_slots(self.fc1, (self.hidden_dim,), ("a1",), ("beta1",)) + \
@@ -329,6 +335,11 @@ class GatedMLP(nn.Module):
             w2=n2, wg=ng, wu=nu, rg=bounds.row_norm_max(wg), bg=bounds.vec_norm(bg), bu=bounds.vec_norm(bu),
             b2=bounds.vec_norm(b2), bg_inf=bounds.vec_inf_norm(bg),
             c=bounds.sandwich_norm(w2, wg, 0.0, 1.0, a_norm=n2, b_norm=ng)))
+
+    def levers(self) -> List[Lever]:
+        """None: no parameter of this block scales its certificate in closed form (a branch gain is
+        :class:`~certblocks.blocks.ScaledBranch`'s)."""
+        return []
 
     def cap_slots(self) -> List[CapSlot]:
         """``fc1`` in two row blocks (value ``ag``/``betag``, gate ``au``/``betau``) and ``fc2`` (``a2``, ``beta2``)."""

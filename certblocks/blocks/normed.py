@@ -24,6 +24,7 @@ from .. import bounds
 from .._validation import check_cert_args, check_choice, check_finite
 from ..certificate import BlockCertificate
 from ..exponents import NORM, Exponents
+from ..fixes import Lever
 from ..protocol import CapSlot, EnforceableBlock
 
 __all__ = ["NormedUpdate", "make_norm", "normalized_certificate", "normalized_cap_slots", "norm_cap_slots", "norm_caps"]
@@ -153,6 +154,11 @@ class NormedUpdate(nn.Module):
         check_finite(self)
         return normalized_certificate(self.branch.certificate(seq_len=seq_len), self.norm, self.norm_out,
                                       placement=self.placement, kind=self.norm_kind)
+
+    def levers(self) -> List[Lever]:
+        """None: the normalized bound is not a closed-form function of the branch's levers (a gain around the whole
+        update is :class:`~certblocks.blocks.ScaledBranch`'s)."""
+        return []
 
     def cap_slots(self) -> List[CapSlot]:
         """The branch's slots and the normalizations' (``gamma_in``, ``beta_in``, ``gamma_out``, ``beta_out``)."""

@@ -40,6 +40,7 @@ from .. import bounds
 from .._validation import check_cert_args, check_choice, check_finite, check_int, check_prob
 from ..certificate import BlockCertificate
 from ..exponents import ATTENTION, NORM, Exponents
+from ..fixes import Lever
 from ..protocol import CapSlot, EnforceableBlock
 from .attention import Attention, QKNormAttention
 from .mlp import MLP
@@ -199,6 +200,13 @@ class PatchTSTUpdate(nn.Module):
         if not isinstance(self.branch, EnforceableBlock):
             raise TypeError(f"enforce does not support the branch {type(self.branch).__name__}")
         return self.branch
+
+    def levers(self) -> List[Lever]:
+        """Without a norm the branch's levers (its certificate is the branch's); with one none (the normalized
+        bound is not a closed-form function of them)."""
+        if self.norm is None and self.is_residual_update:
+            return list(getattr(self.branch, "levers", lambda: [])())
+        return []
 
     def cap_slots(self) -> List[CapSlot]:
         """The branch's slots and, when normalized, the norms' scales and biases (``gamma_in``, ``beta_in``, ...)."""

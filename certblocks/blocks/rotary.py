@@ -39,6 +39,7 @@ from ..exponents import QK_NORM_ATTENTION, Exponents
 from ..protocol import CapSlot, linear_cap_slots
 from .attention import AttentionNorms, _SelfAttention, attention_mask
 from .qk_norm import QK_NORMS, QKNorm
+from .stats import stats
 
 __all__ = ["RotaryQKNormAttention", "ROPE_ROUNDING", "rope_inv_freq", "rope_cos_sin", "apply_rope"]
 
@@ -280,6 +281,19 @@ class RotaryQKNormAttention(nn.Module):
     def _in_proj_norm(self) -> float:
         """``||[W_Q; W_K; W_V]||``: bounds every query, key and value entry."""
         return bounds.op_norm(torch.cat([p.weight.detach() for p in (self.q_proj, self.k_proj, self.v_proj)]))
+
+    def attention_stats(self, x: Optional[torch.Tensor] = None, *, samples: int = 8, kappa: bool = True,
+                        warm: Optional[Dict[str, torch.Tensor]] = None, iters: int = 50,
+                        generator: Optional[torch.Generator] = None) -> Dict[str, Any]:
+        """``{"kappa", "max_logit", "qk_norm"}`` as :meth:`QKNormAttention.attention_stats`: ``kappa`` over the query
+        heads (each with its group's key head), the logits of the normalized, rotated queries and keys at positions
+        ``0 .. T-1`` (:mod:`certblocks.blocks.stats`)."""
+        def qk(xs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+            q, k, _ = self.project(xs, *self.rope(xs))
+            return q, self._repeat_kv(k)
+
+        return stats(self._head_weights, qk, self.scale, self.causal, True, x, samples=samples, kappa=kappa,
+                     warm=warm, iters=iters, generator=generator)
 
     _norms = _SelfAttention._norms
     _caps_norms = _SelfAttention._caps_norms

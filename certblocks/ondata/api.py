@@ -12,34 +12,16 @@ from torch import Tensor, nn
 
 from .._validation import check_int
 from ..budget import dtype_name, float_max
+from ..model import as_args, as_certified, envelope_paused, underlying, unwrap
 from .graph import graph_steps
 from .power import LinearizedMap, dense_jacobian_norm, jacobian_spectral_norm
 from .report import HeadTrajectory, TrajectoryReport, UpdateTrajectory
 from .sources import Head, Source, Step, module_steps, token_norm_max, tokens_of
 
+# unwrap and as_args are the spine's (certblocks.model), importable from here as before
 __all__ = ["trajectory", "trajectory_of_call", "evaluate", "unwrap", "as_args", "eval_mode"]
 
 LossArg = Union[None, Callable[[Tensor], Tensor]]
-
-
-def unwrap(model: Any) -> Any:
-    """The module inside ``DistributedDataParallel`` / ``DataParallel`` (and nested wrappers)."""
-    while type(model).__name__ in ("DistributedDataParallel", "DataParallel") and isinstance(
-            getattr(model, "module", None), nn.Module):
-        model = model.module
-    return model
-
-
-def as_args(batch: Any) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
-    """A batch as the model's arguments: a tensor, a tuple/list of positional arguments or a dict of keywords."""
-    if isinstance(batch, Tensor):
-        return (batch,), {}
-    if isinstance(batch, dict) or (hasattr(batch, "keys") and hasattr(batch, "__getitem__")):
-        return (), {k: batch[k] for k in batch.keys()}
-    if isinstance(batch, (list, tuple)):
-        return tuple(batch), {}
-    raise TypeError(f"batch must be a tensor, a tuple of positional arguments or a dict of keyword arguments, "
-                    f"got {type(batch).__name__}")
 
 
 @contextlib.contextmanager
@@ -52,11 +34,6 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
     finally:
         for m, t in flags:
             m.training = t
-
-
-def _is_zoo(model: Any) -> bool:
-    return all(callable(getattr(model, a, None)) for a in ("residual_updates", "input_radius",
-                                                            "certificate_seq_len"))
 
 
 def trajectory(model: nn.Module, batch: Any, dtype: Union[str, torch.dtype], *, dt: Optional[float] = None,
@@ -72,15 +49,16 @@ def trajectory(model: nn.Module, batch: Any, dtype: Union[str, torch.dtype], *, 
     of :mod:`certblocks.testing.record` gives the largest intermediate of each update.  See
     :class:`~certblocks.ondata.TrajectoryReport` for the figures.
 
-    The residual updates are a :class:`~certblocks.CertifiedStack`'s blocks, a zoo model's
-    ``residual_updates()``, or, for any other module, the updates, maps, stem and head that
-    :func:`certblocks.certify` finds in its graph (captured on ``batch``).  A ``DistributedDataParallel`` /
-    ``DataParallel`` wrapper is unwrapped (no collective is issued).
+    The residual updates are what :func:`certblocks.model.as_certified` reads: a :class:`~certblocks.CertifiedStack`'s
+    blocks, a zoo model's ``residual_updates()``, or, for any other module (a converted one too), the updates,
+    maps, stem and head that :func:`certblocks.certify` finds in its graph (captured on ``batch``).  A
+    ``DistributedDataParallel`` / ``DataParallel`` / FSDP / ``torch.compile`` wrapper is unwrapped (no collective
+    is issued).
 
     Args:
         model: the model.
-        batch: its input: a tensor, a tuple of positional arguments, or a dict of keyword arguments (with the
-            targets, a model that returns its loss gives the exact costate ``p_D``).
+        batch: its input: a tensor, a tuple of positional arguments, or a mapping of keyword arguments (a dict, HF
+            ``BatchEncoding``; with the targets, a model that returns its loss gives the exact costate ``p_D``).
         dtype: the dtype whose largest finite value ``M`` the headroom refers to (``"fp16"``, ``torch.bfloat16``...).
         dt: the residual step; ``None`` (default): the model's own (a ``CertifiedStack``'s ``dt``; 1 for a zoo model
             and for updates found in a graph, whose velocity already holds any step).  A different value raises.
@@ -128,23 +106,21 @@ def trajectory_of_call(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str
     there is no exact ``p_D``; ``capture_cache``: exported graphs kept across calls, see
     :func:`certblocks.trace.capture.capture`)."""
     t0 = time.perf_counter()
-    inner = unwrap(model)
-    if not isinstance(inner, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(underlying(model), nn.Module):
+        raise TypeError(f"model must be an nn.Module (or a wrapper or ConversionReport of one), got "
+                        f"{type(model).__name__}")
+    cm = as_certified(model)
+    inner = cm.module
+    assert inner is not None
     name = dtype_name(dtype)
     _check_options(loss, loss_gradient, steps, tol, dense_max, logit_samples)
     if jacobians is not None and not isinstance(jacobians, bool):
         raise TypeError(f"jacobians must be a bool, got {jacobians!r}")
-    from ..stack import CertifiedStack
-
-    with eval_mode(inner):
-        if isinstance(inner, CertifiedStack) or _is_zoo(inner):
-            from ..monitor import residual_updates
-
-            ups = residual_updates(inner)
-            _check_dt(dt, ups.dt, type(inner).__name__)
-            certs, head_cert, notes = _module_certificates(inner, ups, args, certified)
-            src = module_steps(inner, args, kwargs, ups, loss=loss, loss_gradient=loss_gradient, certs=certs,
+    with envelope_paused(), eval_mode(inner):
+        if cm.stack_forward:
+            _check_dt(dt, cm.dt, type(inner).__name__)
+            certs, head_cert, notes = _module_certificates(cm, certified)
+            src = module_steps(inner, args, kwargs, cm, loss=loss, loss_gradient=loss_gradient, certs=certs,
                                head_cert=head_cert, logit_samples=logit_samples)
             src.notes += notes
         else:
@@ -180,13 +156,11 @@ def _check_dt(dt: Any, own: float, model: str) -> None:
                          "model as it runs): leave dt=None")
 
 
-def _module_certificates(model: nn.Module, ups: Any, args: Tuple[Any, ...], certified: bool
-                         ) -> Tuple[Optional[List[Any]], Optional[Any], List[str]]:
+def _module_certificates(cm: Any, certified: bool) -> Tuple[Optional[List[Any]], Optional[Any], List[str]]:
     if not certified:
         return None, None, []
     try:
-        certs = list(model.update_certificates()) if _is_zoo(model) else ups.certificates()
-        head = model.head_certificate() if _is_zoo(model) else None
+        certs, head = cm.certificates(), cm.head_certificate()
     except (ValueError, TypeError) as exc:  # e.g. a non-finite weight: no certified factors, say why
         return None, None, [f"no certificates: {exc}"]
     return certs, head, []

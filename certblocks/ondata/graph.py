@@ -20,8 +20,6 @@ from .sources import (
     Source,
     Step,
     _abs_max,
-    _attention_like,
-    attention_kappa,
     named_peaks,
     token_norm_max,
 )
@@ -125,8 +123,10 @@ def _sdpa_logit(g: Any, n: torch.fx.Node, samples: int) -> Optional[float]:
         mask = mask[:samples] if mask.ndim == 4 and mask.shape[0] > 1 else mask
         if mask.dtype == torch.bool:
             logits = logits.masked_fill(~mask, 0.0)
-        else:
-            logits = logits + mask.double()
+        else:  # an additive mask: its masking entries (-inf, or a finfo.min sentinel) remove the pair
+            masked = mask <= torch.finfo(mask.dtype).min / 4 if mask.is_floating_point() else torch.zeros_like(
+                mask, dtype=torch.bool)
+            logits = (logits + mask.double()).masked_fill(masked, 0.0)
     return _abs_max(logits)
 
 
@@ -135,7 +135,7 @@ def _graph_attention(g: Any, names: set) -> Optional[nn.Module]:
         if n.name in names:
             for path, _ in g.module_stack(n):
                 m = g.get_module(path)
-                if m is not None and _attention_like(m):
+                if m is not None and callable(getattr(m, "attention_stats", None)):  # the capability
                     return m
     return None
 
@@ -197,7 +197,7 @@ def graph_steps(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
                           token_norm_max(env[seg.end.name]), dt=1.0 if seg.kind == "update" else 0.0,
                           fn64=subgraph_fn(g, env, seg.start, end, f64=True), cert=cert,
                           peak=lambda p=peak_val, lg=logit, ps=peaks: (p, lg, ps),
-                          kappa=None if attn is None else (lambda a=attn: attention_kappa(a)[0]), key=name))
+                          kappa=None if attn is None else (lambda a=attn: a.attention_stats()["kappa"]), key=name))
     if not steps:
         raise ValueError(f"{type(model).__name__}: the chain has no residual update")
     last = chain.segments[-1] if head_seg is None else head_seg

@@ -5,9 +5,9 @@ segment as a function of that state alone, every other input held at its value o
 :class:`Head` (the map from the last state to the output, or the costate ``p_D``):
 
 * :func:`module_steps` -- a :class:`~certblocks.CertifiedStack` or a zoo model: one forward on the batch with
-  hooks on the velocities (:func:`certblocks.monitor.residual_updates`); a velocity is called again on its
-  captured input; the head is the model's forward with the last update's output replaced so that the last
-  state is the argument;
+  hooks on the velocities (:func:`certblocks.model.as_certified`); a velocity is called again on its
+  captured input (where the forward passed it: positionally or as a keyword); the head is the model's forward with
+  the last update's output replaced so that the last state is the argument;
 * :func:`calls_steps` -- the same from calls the :class:`~certblocks.CertificateMonitor`'s hooks captured in the
   training forward (no forward here);
 * :func:`~certblocks.ondata.graph.graph_steps` -- any other module, from its graph (:mod:`certblocks.ondata.graph`).
@@ -22,13 +22,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from ..blocks.gain import ScaledBranch
 from ..budget import dtype_name
 from ..certificate import BlockCertificate
+from ..model import CertifiedModel, Where, attention_module, replace_output, state_of, velocity_output, with_state
+from ..model import without_state as _without_state
 from ..testing.record import recorded_call
 
 __all__ = ["Step", "Head", "Call", "Source", "Peaks", "module_steps", "calls_steps", "token_norm_max", "tokens_of",
-           "attention_kappa", "attention_max_logit", "attention_module", "named_peaks"]
+           "attention_module", "named_peaks"]
 
 Fn = Callable[[Tensor], Tensor]
 
@@ -57,68 +58,6 @@ def _abs_max(t: Any) -> float:
     t = t.masked_fill(t <= torch.finfo(t.dtype).min / 4, 0.0)
     a = t.abs().to(torch.float64)
     return math.inf if torch.isnan(a).any() else float(a.max())
-
-
-def _attention_like(m: nn.Module) -> bool:
-    from ..blocks import Attention, QKNormAttention
-
-    return isinstance(m, (Attention, QKNormAttention))
-
-
-def attention_module(m: nn.Module) -> Optional[nn.Module]:
-    """The certblocks attention inside a velocity (itself, a gained branch's, a pre-normalized one's), or ``None``."""
-    for sub in m.modules():
-        if _attention_like(sub):
-            return sub
-    return None
-
-
-def _power(mv: Callable[[Tensor], Tensor], rmv: Callable[[Tensor], Tensor], v: Tensor, iters: int
-           ) -> Tuple[Tensor, Tensor]:
-    """``iters`` power iterations on ``A^T A`` (batched over the first axis); ``(||A v||, v)`` with ``||v|| = 1``."""
-    for _ in range(iters):
-        v = rmv(mv(v))
-        n = v.norm(dim=-1, keepdim=True)
-        v = torch.where(n > 0, v / n.clamp_min(1e-300), v)
-    return mv(v).norm(dim=-1), v
-
-
-@torch.no_grad()
-def attention_kappa(m: nn.Module, v0: Optional[Tensor] = None, iters: int = 50,
-                    gen: Optional[torch.Generator] = None) -> Tuple[float, Tensor]:
-    """``max_h ||W_Q^{hT} W_K^h||`` by power iteration (an estimate from below) and the vectors reached.
-
-    Args:
-        m: a certblocks ``Attention`` / ``QKNormAttention``.
-        v0: the previous call's vectors ``(heads, dim)`` (warm start), or ``None`` (random start).
-        iters: power iterations.
-        gen: generator of the random start.
-    """
-    D, H, hd = m.dim, m.num_heads, m.head_dim
-    w = m.in_proj.weight.detach().to("cpu", torch.float64)
-    wq = w[:D].reshape(H, hd, D)
-    wk = w[D:2 * D].reshape(H, hd, D)
-    mv = lambda v: torch.einsum("hkd,hk->hd", wq, torch.einsum("hkd,hd->hk", wk, v))  # Wq_h^T Wk_h v
-    rmv = lambda u: torch.einsum("hkd,hk->hd", wk, torch.einsum("hkd,hd->hk", wq, u))
-    if v0 is None or tuple(v0.shape) != (H, D):
-        v0 = torch.randn(H, D, generator=gen, dtype=torch.float64)
-        v0 = v0 / v0.norm(dim=-1, keepdim=True)
-    sigma, v = _power(mv, rmv, v0, iters)
-    return float(sigma.max()), v
-
-
-@torch.no_grad()
-def attention_max_logit(m: nn.Module, x: Tensor, samples: int = 8) -> float:
-    """Largest ``|s q_i . k_j|`` over the causal pairs (all pairs without a causal mask) of the first ``samples``."""
-    xs = x.detach()[:samples]
-    if xs.ndim != 3:
-        return math.nan
-    q, k, _ = m._qkv(xs, fast=False)  # (B, nh, T, hs)
-    logits = (q.double() @ k.double().transpose(-2, -1)).abs() * m.scale
-    if m.causal:
-        T = logits.shape[-1]
-        logits = logits.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=logits.device).tril(), 0.0)
-    return float(logits.max())
 
 
 # ------------------------------------------------------------------------------------------------ what is evaluated
@@ -203,7 +142,9 @@ def split_output(out: Any) -> Tuple[Optional[Tensor], Optional[Tensor]]:
 # ------------------------------------------------------------------------------------------------ module path
 @dataclass
 class Call:
-    """One captured call of a velocity: the module, its input state, the other arguments and its output."""
+    """One captured call of a velocity: the module, its input state, the other arguments (without the state and
+    without KV caches), its output, and where the state was passed (``0``: first positional argument; a name: that
+    keyword, as HF decoder layers pass ``hidden_states=``)."""
 
     name: str
     module: nn.Module
@@ -211,35 +152,55 @@ class Call:
     args: Tuple[Any, ...] = ()
     kwargs: Dict[str, Any] = field(default_factory=dict)
     out: Optional[Tensor] = None
+    where: Where = 0
 
 
-def _call_fn(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Fn:
-    """The velocity as a function of its input; a fused QK-norm (a custom autograd function without forward-mode
-    or double-backward rules) runs as its plain composition during the call (same values up to rounding)."""
+def _output(module: nn.Module, out: Any) -> Tensor:
+    y = velocity_output(out)
+    if y is None:
+        raise TypeError(f"{type(module).__name__} returned {type(out).__name__}, not a velocity tensor (or a tuple "
+                        "starting with one)")
+    return y
+
+
+def _call_fn(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], where: Where = 0) -> Fn:
+    """The velocity as a function of its input (placed where the forward passed it; the velocity is the first
+    element of a tuple output); a fused QK-norm (a custom autograd function without forward-mode or
+    double-backward rules) runs as its plain composition during the call (same values up to rounding)."""
     fused = [m for m in module.modules() if getattr(m, "fused_qk_norm", None) is True]
 
     def f(x: Tensor) -> Tensor:
         for m in fused:
             m.fused_qk_norm = False
         try:
-            return module(x, *args, **kwargs)
+            a, kw = with_state(args, kwargs, where, x)
+            return _output(module, module(*a, **kw))
         finally:
             for m in fused:
                 m.fused_qk_norm = True
     return f
 
 
-def _call_fn64(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Fn:
+def _cast64(a: Any) -> Any:
+    """Floating tensors in float64, inside tuples and lists too (HF's ``position_embeddings = (cos, sin)``)."""
+    if isinstance(a, Tensor):
+        return a.to(torch.float64) if a.is_floating_point() else a
+    if isinstance(a, (tuple, list)):
+        return type(a)(_cast64(v) for v in a)
+    return a
+
+
+def _call_fn64(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], where: Where = 0) -> Fn:
     """The velocity in float64: parameters and buffers cast (``functional_call``), no autocast."""
     params = {k: (v.detach().to(torch.float64) if v.is_floating_point() else v)
               for k, v in list(module.named_parameters()) + list(module.named_buffers())}
-    cast = lambda a: a.to(torch.float64) if isinstance(a, Tensor) and a.is_floating_point() else a
-    args64 = tuple(cast(a) for a in args)
-    kwargs64 = {k: cast(v) for k, v in kwargs.items()}
+    args64 = tuple(_cast64(a) for a in args)
+    kwargs64 = {k: _cast64(v) for k, v in kwargs.items()}
 
     def f(x: Tensor) -> Tensor:
+        a, kw = with_state(args64, kwargs64, where, x)
         with torch.autocast(x.device.type, enabled=False):
-            return torch.func.functional_call(module, params, (x, *args64), kwargs64)
+            return _output(module, torch.func.functional_call(module, params, a, kw))
     return f
 
 
@@ -252,15 +213,18 @@ def _recorded_fn(fn: Fn, attn: Optional[nn.Module], samples: int
         seen: List[Tensor] = []
         handle = None
         if attn is not None:
-            handle = attn.register_forward_pre_hook(
-                lambda mod, args, kwargs: seen.append(args[0] if args else next(iter(kwargs.values()))),
-                with_kwargs=True)
+            def keep(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+                found = state_of(mod, args, kwargs)
+                if found is not None:
+                    seen.append(found[0])
+            handle = attn.register_forward_pre_hook(keep, with_kwargs=True)
         try:
             out, (val, peaks) = recording(x)
         finally:
             if handle is not None:
                 handle.remove()
-        logit = attention_max_logit(attn, seen[0], samples) if attn is not None and seen else None
+        logit = attn.attention_stats(seen[0], samples=samples, kappa=False)["max_logit"] \
+            if attn is not None and seen else None
         return out, (val, logit, peaks)
     return record
 
@@ -271,61 +235,66 @@ def calls_steps(calls: Sequence[Call], dt: float, certs: Optional[Sequence[Optio
     steps = []
     for k, c in enumerate(calls):
         x = c.x.detach()
-        fn = _call_fn(c.module, c.args, c.kwargs)
+        fn = _call_fn(c.module, c.args, c.kwargs, c.where)
         out = c.out.detach() if c.out is not None else None
         if out is None:
             with torch.no_grad():
                 out = fn(x)
-        attn = attention_module(c.module)
+        attn = attention_module(c.module)  # capability: the first submodule with attention_stats()
         kap = None
         if attn is not None:
-            kap = (lambda a=attn, k=k: kappa(k, a)) if kappa is not None else (lambda a=attn: attention_kappa(a)[0])
+            kap = (lambda a=attn, k=k: kappa(k, a)) if kappa is not None else \
+                (lambda a=attn: a.attention_stats()["kappa"])
         record = _recorded_fn(fn, attn, logit_samples)
         steps.append(Step(c.name, "update", x, fn, token_norm_max(x + dt * out.to(x.dtype)), dt=dt,
-                          fn64=_call_fn64(c.module, c.args, c.kwargs), cert=None if certs is None else certs[k],
+                          fn64=_call_fn64(c.module, c.args, c.kwargs, c.where),
+                          cert=None if certs is None else certs[k],
                           peak=lambda r=record, x=x: r(x.detach().requires_grad_(True))[1], kappa=kap, key=c.name,
                           record=record))
     return steps
 
 
-def _velocity_hooks(modules: Sequence[nn.Module], names: Sequence[str], calls: Dict[int, Call],
+def _velocity_hooks(cm: CertifiedModel, calls: Dict[int, Call],
                     replace_last: Optional[Callable[[Tensor], Tensor]] = None) -> List[Any]:
-    """Hooks capturing each velocity's call (a gained update: the branch's input, the gain's output)."""
+    """Hooks capturing each velocity's call (an update whose entry and exit differ, a gained branch: the entry's
+    input, the exit's output; the view is then called with the state first)."""
     handles = []
-    last = len(modules) - 1
+    last = len(cm.modules) - 1
 
-    def pre(k: int, target: nn.Module) -> Callable:
+    def pre(k: int, view: bool) -> Callable:
         def hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
-            if k not in calls and args and isinstance(args[0], Tensor):
-                calls[k] = Call(names[k], modules[k], args[0], tuple(args[1:]), dict(kwargs))
+            found = state_of(mod, args, kwargs) if k not in calls else None
+            if found is not None:
+                rest_args, rest_kwargs = _without_state(args, kwargs, found[1])
+                calls[k] = Call(cm.names[k], cm.modules[k], found[0], rest_args, rest_kwargs,
+                                where=0 if view else found[1])
         return hook
 
     def post(k: int) -> Callable:
         def hook(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-            y = output[0] if isinstance(output, (tuple, list)) else output
-            if k in calls and calls[k].out is None and isinstance(y, Tensor):
+            y = velocity_output(output)
+            if k in calls and calls[k].out is None and y is not None:
                 calls[k].out = y
-            if k == last and replace_last is not None and isinstance(y, Tensor):
-                return replace_last(y)
+            if k == last and replace_last is not None and y is not None:
+                return replace_output(output, replace_last(y))
             return None
         return hook
 
-    for k, m in enumerate(modules):
-        branch, out_mod = (m.branch, m.gain) if isinstance(m, ScaledBranch) else (m, m)
-        handles.append(branch.register_forward_pre_hook(pre(k, branch), with_kwargs=True))
-        handles.append(out_mod.register_forward_hook(post(k), with_kwargs=True))
+    for k in range(len(cm.modules)):
+        entry, exit_ = cm.io(k)
+        handles.append(entry.register_forward_pre_hook(pre(k, entry is not cm.modules[k]), with_kwargs=True))
+        handles.append(exit_.register_forward_hook(post(k), with_kwargs=True))
     return handles
 
 
-def module_steps(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], ups: Any, *,
+def module_steps(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], ups: CertifiedModel, *,
                  loss: Optional[Callable[[Tensor], Tensor]], loss_gradient: Optional[float],
                  certs: Optional[Sequence[Optional[BlockCertificate]]], head_cert: Optional[BlockCertificate],
                  logit_samples: int) -> Source:
-    """The steps of a :class:`~certblocks.CertifiedStack` or zoo model on ``args``/``kwargs`` (module docstring)."""
-    from ..stack import CertifiedStack
-
+    """The steps of a model whose forward is the chain of its updates (``ups.stack_forward``: a
+    :class:`~certblocks.CertifiedStack`, a zoo model) on ``args``/``kwargs`` (module docstring)."""
     calls: Dict[int, Call] = {}
-    handles = _velocity_hooks(ups.modules, ups.names, calls)
+    handles = _velocity_hooks(ups, calls)
     try:
         with torch.no_grad():
             output = model(*args, **kwargs)
@@ -343,7 +312,7 @@ def module_steps(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]
     x_d = (last.x + dt * last.out.to(last.x.dtype)).detach()
     main, scalar = split_output(output)
     notes: List[str] = []
-    if isinstance(model, CertifiedStack):  # the output is the last state
+    if ups.kind == "stack":  # the output is the last state
         if loss is not None:
             head = Head(x_d, loss_fn=loss, detail="the loss's gradient at X_D (autograd)")
         else:
@@ -355,8 +324,7 @@ def module_steps(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]
 
     def run_with_state(x: Tensor) -> Any:
         """The model's forward with the last velocity's output replaced so that the last state is ``x``."""
-        hs = _velocity_hooks(ups.modules, ups.names, {},
-                             replace_last=lambda y: ((x - x_prev) / dt).to(y.dtype))
+        hs = _velocity_hooks(ups, {}, replace_last=lambda y: ((x - x_prev) / dt).to(y.dtype))
         try:
             return torch.func.functional_call(model, params, args, kwargs)
         finally:

@@ -264,3 +264,66 @@ def test_qknorm_attention_backward_under_cpu_autocast(dtype):
         y2 = blk.forward_reference(x2)
     y2.float().square().mean().backward()
     torch.testing.assert_close(x.grad, x2.grad, rtol=5e-2, atol=5e-3)
+
+
+# ------------------------------------------------------------------------------------------------ capabilities
+class _Residual(nn.Module):
+    """``x + block(x)``: a module the trajectory reads from its graph (the largest logit from the attention
+    kernel's own query and key nodes, independent of the block's ``attention_stats``)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.block(x)
+
+
+def _attentions():
+    from certblocks import RotaryQKNormAttention
+
+    torch.manual_seed(0)
+    return {"attention": Attention(D, H), "qknorm": QKNormAttention(D, H, qk_norm="layer"),
+            "bidirectional": QKNormAttention(D, H, causal=False),
+            "rotary_gqa": RotaryQKNormAttention(D, H, 2), "rotary_partial": RotaryQKNormAttention(
+                D, H, partial_rotary_factor=0.5, rope_theta=100.0)}
+
+
+@pytest.mark.parametrize("name", sorted(_attentions()))
+def test_every_attention_reports_kappa_and_its_largest_logit(name):
+    import certblocks
+    from certblocks.bounds import product_norm
+
+    block = _attentions()[name].eval()
+    x = torch.randn(3, T, D, generator=torch.Generator().manual_seed(1)) * 2.0
+    warm: dict = {}
+    stats = block.attention_stats(x, samples=2, warm=warm, iters=200)
+    assert set(stats) == {"kappa", "max_logit", "qk_norm"} and stats["qk_norm"] == (name != "attention")
+    hw = block._head_weights()  # per query head, its key head (grouped-query heads repeated)
+    exact = max(product_norm(q.T, k) for q, k in zip(hw["wq"], hw["wk"]))
+    assert exact * (1 - 1e-3) <= stats["kappa"] <= exact * (1 + 1e-9)  # power iteration: from below
+    again = block.attention_stats(None, warm=warm, iters=1)  # warm start: one step keeps the value
+    assert again["max_logit"] is None and again["kappa"] == pytest.approx(stats["kappa"], rel=1e-6)
+    rep = certblocks.trajectory(_Residual(block), x, "fp32", logit_samples=2, certified=False)
+    assert stats["max_logit"] == pytest.approx(rep.updates[0].max_logit, rel=1e-5)
+    assert rep.updates[0].kappa == pytest.approx(exact, rel=2e-2)
+    assert block.attention_stats(x, kappa=False)["kappa"] is None
+
+
+def test_every_block_lists_its_levers():
+    from certblocks import LinearGrowthMamba, Mamba, RotaryQKNormAttention
+    from certblocks.blocks import LayerScale, NormedUpdate, ScaledBranch
+
+    assert [lv.name for lv in QKNormAttention(D, H).levers()] == ["qk_norm_eps"]
+    assert [lv.name for lv in RotaryQKNormAttention(D, H).levers()] == ["qk_norm_eps"]
+    for block in (Attention(D, H), MLP(D, 24), GatedMLP(D, 24), LinearGrowthMamba(D), Mamba(D),
+                  NormedUpdate(QKNormAttention(D, H), D, "rms"), PatchTSTBlock(D, H, 24, norm="layer").updates()[0]):
+        assert block.levers() == []
+    assert [lv.name for lv in PatchTSTBlock(D, H, 24, qk_norm=True).updates()[0].levers()] == ["qk_norm_eps"]
+    gained = ScaledBranch(QKNormAttention(D, H), LayerScale(D, init_values=0.1), ("attn", "ls1"))
+    levers = {lv.name: lv for lv in gained.levers()}
+    assert set(levers) == {"qk_norm_eps", "init_values"} and levers["init_values"].current == pytest.approx(0.1)
+    cert = gained.certificate()
+    halved = levers["init_values"].apply(cert, 0.05)  # the certificate at half the gain: every coefficient halved
+    assert halved.c == pytest.approx(cert.c / 2, rel=1e-6) and halved.l1 == pytest.approx(cert.l1 / 2, rel=1e-6)
+    assert gained.velocity_io() == (gained.branch, gained.gain) and gained.gain_bound() == pytest.approx(0.1)

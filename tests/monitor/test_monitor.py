@@ -16,10 +16,11 @@ from certblocks.bounds import product_norm
 from certblocks.monitor import CertificateMonitor, CertificateWarning, residual_updates
 
 
-def _stack(seed: int = 0, dtype: str = "fp32", dt: float = 0.5) -> certblocks.CertifiedStack:
+def _stack(seed: int = 0, dtype: str = "fp32", dt: float = 0.5, r0: float = 20.0) -> certblocks.CertifiedStack:
+    """Four updates, certified for inputs of per-token norm up to ``r0`` (the tests' batches stay inside it)."""
     torch.manual_seed(seed)
     blocks = [Attention(16, 2), MLP(16, 32), QKNormAttention(16, 2), GatedMLP(16, 24, bias=True)]
-    return certblocks.build_stack(blocks, dtype, dt=dt, certify=False)
+    return certblocks.build_stack(blocks, dtype, dt=dt, r0=r0, certify=False)
 
 
 def _train_step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -33,6 +34,7 @@ def test_figures_match_direct_computation() -> None:
     st = _stack()
     mon = CertificateMonitor(st, "fp32", every=1, threshold=-1e9)
     x = torch.randn(3, 6, 16) * 2.0
+    assert float(x.norm(dim=-1).max()) <= st.r0  # inside the envelope: the certificate is at the stack's r0
     for _ in range(4):  # warm starts: the power iteration refines across checks
         st.zero_grad()
         _train_step(st, x)
@@ -124,7 +126,7 @@ def test_warning_fires_and_names_update() -> None:
     alerts = []
     mon = CertificateMonitor(st, "fp16", every=1, threshold=0.5, callback=alerts.append, worst_case_alerts=True,
                              on_data=False)
-    x = torch.randn(2, 4, 16)
+    x = torch.nn.functional.normalize(torch.randn(2, 4, 16), dim=-1)  # inside the certified r0 = 1
     with warnings.catch_warnings():
         warnings.simplefilter("error", CertificateWarning)  # healthy (stack margin ~0.73): no warning
         _train_step(st, x)

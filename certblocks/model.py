@@ -1,0 +1,785 @@
+"""The model spine: :func:`as_certified`, the one place that knows what kind of object a user handed in.
+
+Every part of certblocks that works on a whole model -- :class:`~certblocks.CertificateMonitor`,
+:func:`certblocks.trajectory`, :func:`certblocks.enforce` / :func:`~certblocks.unenforce` /
+:func:`~certblocks.enforcement.cap_factor` and :class:`~certblocks.integrations.CertificateCallback` -- reads it
+through :func:`as_certified`, which returns a :class:`CertifiedModel`: the residual updates ``v_k`` in depth order
+(``X_{k+1} = X_k + dt v_k(X_k)``, docs/theory.md section 3) with their names, the input radius ``r0``, the
+sequence length, ``dt``, the head (``Lip(G)`` or a head certificate), the underlying module and how to call it on a
+batch.  It recognizes
+
+* a :class:`~certblocks.CertifiedStack` (its blocks, ``dt``, ``r0``, ``lip_g``, ``seq_len``, given certificates);
+* a model that lists its own updates (:class:`ResidualModel`: every zoo model);
+* a converted model or its :class:`~certblocks.ConversionReport`: every module with a ``certificate()`` and an
+  ``exponents`` that is not inside another one, in module order (a layer with ``updates()`` and
+  ``certificates()`` gives each of its updates);
+* ``DistributedDataParallel`` / ``DataParallel`` / FSDP (``.module``) and ``torch.compile`` (``_orig_mod``)
+  wrappers around any of these (the wrapper is what :meth:`CertifiedModel.__call__` calls);
+* a sequence of ``(name, module)`` pairs;
+* any other ``nn.Module``: no update is known before its graph is read (kind ``"graph"``: :func:`certblocks.certify`
+  finds the updates in the graph captured on ``example_input``; the trajectory on the batch).
+
+Blocks are never recognized by class: what a block can do is a capability it exposes -- ``certificate()``,
+``levers()`` (the knobs a fix may name), ``cap_slots()`` (what :func:`~certblocks.enforce` caps),
+``attention_stats(x)`` (an attention's query-key coefficient and largest logit) and ``velocity_io()`` (an update
+whose branch and output are separate modules of the forward, a gained branch).
+
+**The certified envelope.**  A certificate is for a dtype, a sequence length and an input radius; a forward outside
+them is outside the certificate.  :class:`Envelope` records what a certificate assumed and checks each forward of
+the model (a :class:`~certblocks.CertifiedStack` in its ``forward``, a zoo model in its call, a converted model by a
+forward pre-hook on its first update that :meth:`CertifiedModel.certificate` installs): a longer sequence, an input
+whose per-token norm exceeds a stated ``r0``, or a narrower compute dtype warns once per quantity with
+:class:`EnvelopeWarning` (a :class:`CertificateWarning`), or raises :class:`~certblocks.CertificationError` when
+``strict``; the model's ``certificate()`` is then computed at the envelope actually used (the longest sequence, the
+largest radius, the narrowest dtype seen), so ``ok`` is never reported for a run the certificate did not cover.
+The check compares shapes and dtypes; the norm is computed only where ``r0`` is a stated bound, once per forward;
+nothing is checked while ``torch.compile`` / ``torch.export`` / ``torch.jit`` / ``torch.fx`` trace the model, nor
+inside :func:`envelope_paused` (certblocks' own analysis calls).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import math
+import threading
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Dict,
+    Iterator,
+    List,
+    Optional,
+    Protocol,
+    Sequence,
+    Tuple,
+    Union,
+    runtime_checkable,
+)
+
+import torch
+from torch import Tensor, nn
+
+from ._validation import check_int
+from .bounds import one_thread
+from .budget import DTYPE_MAX, dtype_name
+from .certificate import BlockCertificate, StackCertificate, certify_stack
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .fixes import Fix, Lever
+
+# certblocks.stack imports this module (its envelope): what the spine needs from it is imported where it is used
+
+__all__ = ["CertifiedModel", "ResidualModel", "Envelope", "CertificateWarning", "EnvelopeWarning", "as_certified",
+           "as_args", "unwrap", "state_of", "with_state", "velocity_output", "envelope_paused", "KINDS"]
+
+#: What :func:`as_certified` can be handed, as :attr:`CertifiedModel.kind`.
+KINDS = ("stack", "zoo", "blocks", "pairs", "graph")
+
+#: Keyword arguments that carry mutable state (KV caches) rather than inputs: left out when an update is called
+#: again on its captured state (the call in the training forward started from an empty cache for its layer).
+_STATEFUL_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache", "cache_params", "inference_params")
+
+
+class CertificateWarning(UserWarning):
+    """A certificate's margin ran low (:class:`~certblocks.CertificateMonitor`), or a run left what the certificate
+    assumed (:class:`EnvelopeWarning`); the message names the update or model and the quantity."""
+
+
+class EnvelopeWarning(CertificateWarning):
+    """A forward ran outside the certified envelope: a longer sequence, a larger input norm or a narrower dtype
+    than the certificate assumed (:class:`Envelope`)."""
+
+
+# ------------------------------------------------------------------------------------------------ batches, calls
+def as_args(batch: Any) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """A batch as a model's arguments ``(args, kwargs)``.
+
+    Args:
+        batch: a tensor (the one positional argument), a tuple or list of positional arguments, or a mapping of
+            keyword arguments (a ``dict``, HF ``BatchEncoding``, any object with ``keys()`` and ``__getitem__``).
+
+    Raises:
+        TypeError: ``batch`` is none of these.
+    """
+    if isinstance(batch, Tensor):
+        return (batch,), {}
+    if isinstance(batch, Mapping) or (callable(getattr(batch, "keys", None)) and hasattr(batch, "__getitem__")):
+        return (), {k: batch[k] for k in batch.keys()}
+    if isinstance(batch, (list, tuple)):
+        return tuple(batch), {}
+    raise TypeError(f"batch must be a tensor, a tuple of positional arguments or a mapping of keyword arguments, "
+                    f"got {type(batch).__name__}")
+
+
+def unwrap(model: Any) -> Any:
+    """The module inside ``DistributedDataParallel``, ``DataParallel``, FSDP (``.module``) and ``torch.compile``
+    (``_orig_mod``) wrappers, nested ones too; anything else is returned as it is."""
+    while isinstance(model, nn.Module):
+        inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+        if not isinstance(inner, nn.Module):
+            inner = getattr(model, "module", None) if type(model).__name__ in (
+                "DistributedDataParallel", "DataParallel", "FullyShardedDataParallel") else None
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+    return model
+
+
+@functools.cache
+def _first_parameter(cls: type) -> Optional[str]:
+    """The name of the first argument of ``cls.forward`` after ``self`` (``"hidden_states"``, ``"x"``)."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    first = next(iter(params), None)
+    if first is None or first.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+        return None
+    return first.name
+
+
+Where = Union[int, str]
+
+
+def state_of(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Tuple[Tensor, Where]]:
+    """The state ``X_k`` a call of a velocity received, and where: ``(x, 0)`` when it is the first positional
+    argument, ``(x, name)`` when it came as the keyword of the forward's first parameter (HF decoder layers call
+    ``self_attn(hidden_states=...)``); ``None`` when the call has no tensor there."""
+    if args:
+        return (args[0], 0) if isinstance(args[0], Tensor) else None
+    name = _first_parameter(type(module))
+    if name is not None and isinstance(kwargs.get(name), Tensor):
+        return kwargs[name], name
+    return None
+
+
+def with_state(args: Tuple[Any, ...], kwargs: Dict[str, Any], where: Where, x: Tensor
+               ) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """The call's arguments with the state ``x`` put back where :func:`state_of` found it (``args`` / ``kwargs``
+    are the other arguments, as :func:`without_state` returns them)."""
+    if where == 0:
+        return (x, *args), kwargs
+    return args, {**kwargs, str(where): x}
+
+
+def without_state(args: Tuple[Any, ...], kwargs: Dict[str, Any], where: Where, *, stateless: bool = True
+                  ) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """The call's other arguments (``stateless``: without the KV-cache keywords, which hold state, not inputs)."""
+    rest_args = tuple(args[1:]) if where == 0 else tuple(args)
+    rest = {k: v for k, v in kwargs.items() if k != where and not (stateless and k in _STATEFUL_KWARGS)}
+    return rest_args, rest
+
+
+def velocity_output(out: Any) -> Optional[Tensor]:
+    """The velocity ``v(X)`` in a module's output: the output itself, or the first element of a tuple/list (HF
+    attentions return ``(output, weights)``); ``None`` when there is no tensor there."""
+    if isinstance(out, (tuple, list)):
+        out = out[0] if out else None
+    return out if isinstance(out, Tensor) else None
+
+
+def replace_output(out: Any, y: Tensor) -> Any:
+    """``out`` with its velocity (:func:`velocity_output`) replaced by ``y``."""
+    if isinstance(out, tuple):
+        return (y, *out[1:])
+    if isinstance(out, list):
+        return [y, *out[1:]]
+    return y
+
+
+# ------------------------------------------------------------------------------------------------ envelope
+_PAUSE = threading.local()
+
+
+@contextlib.contextmanager
+def envelope_paused() -> Iterator[None]:
+    """No envelope check inside (certblocks' own calls of a model: the trajectory, the monitor's checks)."""
+    _PAUSE.depth = getattr(_PAUSE, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _PAUSE.depth -= 1
+
+
+def _tracing(x: Any) -> bool:
+    """A graph is being captured (compile, export, jit, fx) or the tensor is a transform's wrapper: no check."""
+    if getattr(_PAUSE, "depth", 0) or torch.compiler.is_compiling() or torch.compiler.is_exporting() \
+            or torch.jit.is_tracing():
+        return True
+    if not isinstance(x, Tensor) or isinstance(x, torch.fx.Proxy):
+        return True
+    wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return bool(wrapped is not None and wrapped(x))
+
+
+_NAMES: Dict[torch.dtype, Optional[str]] = {}
+
+
+def _name(dtype: torch.dtype) -> Optional[str]:
+    """The canonical name of a floating dtype, cached (``None``: one certblocks has no range for)."""
+    if dtype not in _NAMES:
+        try:
+            _NAMES[dtype] = dtype_name(dtype)
+        except (TypeError, ValueError):
+            _NAMES[dtype] = None
+    return _NAMES[dtype]
+
+
+def compute_dtype(x: Tensor, fallback: Optional[torch.dtype] = None) -> torch.dtype:
+    """The dtype a forward on ``x`` computes in: the autocast dtype of ``x``'s device when autocast is on, else
+    ``x``'s dtype (``fallback`` for an integer input, e.g. token ids: the parameters' dtype)."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    if x.is_floating_point() or fallback is None:
+        return x.dtype
+    return fallback
+
+
+class Envelope:
+    """What a certificate assumed (dtype, sequence length, input radius) and the widest run seen since.
+
+    Args:
+        owner: the model's name, for the messages.
+        dtype: the dtype the certificate is for.
+        seq_len: the sequence length it was computed at (``None``: the certificate does not depend on it, or the
+            model refuses longer inputs itself).
+        r0: the bound on the input's per-token norm it assumes when that bound is *stated* (given by the user,
+            checked with one norm per forward); ``None`` when ``r0`` is derived from the weights (a zoo model's
+            embedding bound holds for every input) and is not checked.
+        strict: raise :class:`~certblocks.CertificationError` at a forward outside the envelope instead of warning.
+
+    Attributes:
+        seen_dtype, seen_seq_len, seen_r0: the narrowest dtype, the longest sequence and the largest input norm of
+            the forwards outside the envelope (``None``: none so far).
+    """
+
+    def __init__(self, owner: str, dtype: Any, seq_len: Optional[int] = None, r0: Optional[float] = None, *,
+                 strict: bool = False) -> None:
+        self.owner = owner
+        self.strict = strict
+        self.warned: set = set()
+        self.seen_dtype: Optional[str] = None
+        self.seen_seq_len: Optional[int] = None
+        self.seen_r0: Optional[float] = None
+        self.record(dtype, seq_len, r0)
+
+    def record(self, dtype: Any, seq_len: Optional[int], r0: Optional[float]) -> None:
+        """Set what the certificate assumes (a new certification); what was seen outside the old one is kept only
+        where it is still outside the new one."""
+        self.dtype = dtype_name(dtype)
+        self.seq_len = None if seq_len is None else check_int("seq_len", seq_len)
+        self.r0 = None if r0 is None else float(r0)
+        self._ok_dtypes: set = set()  # torch dtypes checked inside the envelope: one set lookup per forward
+        if self.seen_dtype is not None and DTYPE_MAX[self.seen_dtype] >= DTYPE_MAX[self.dtype]:
+            self.seen_dtype = None
+        if self.seen_seq_len is not None and (self.seq_len is None or self.seen_seq_len <= self.seq_len):
+            self.seen_seq_len = None
+        if self.seen_r0 is not None and (self.r0 is None or self.seen_r0 <= self.r0):
+            self.seen_r0 = None
+
+    @property
+    def exceeded(self) -> bool:
+        """A forward ran outside the envelope since it was recorded."""
+        return self.seen_dtype is not None or self.seen_seq_len is not None or self.seen_r0 is not None
+
+    def used(self) -> Tuple[str, Optional[int], Optional[float]]:
+        """``(dtype, seq_len, r0)`` of the runs so far: the certified ones widened by what was seen."""
+        dtype = self.seen_dtype or self.dtype
+        seq_len = self.seq_len if self.seen_seq_len is None else self.seen_seq_len
+        r0 = self.r0 if self.seen_r0 is None else self.seen_r0
+        return dtype, seq_len, r0
+
+    def check(self, x: Any, *, dtype: Optional[torch.dtype] = None, state: bool = True, stacklevel: int = 6) -> None:
+        """Check one forward: ``x`` the residual-stream state entering the first update (``state``: its
+        second-to-last dimension is the sequence, its last the width) or any model input (``state=False``: the
+        dtype only); ``dtype``: the compute dtype when ``x`` does not carry it (integer token ids)."""
+        if _tracing(x):
+            return
+        run = compute_dtype(x, dtype)
+        found: List[str] = []
+        if run not in self._ok_dtypes:
+            name = _name(run)
+            if name is None or DTYPE_MAX[name] >= DTYPE_MAX[self.dtype]:
+                self._ok_dtypes.add(run)
+            else:
+                if self.seen_dtype is None or DTYPE_MAX[name] < DTYPE_MAX[self.seen_dtype]:
+                    self.seen_dtype = name
+                found.append(f"dtype {name} is narrower than the certified {self.dtype}")
+        if state and self.seq_len is not None:
+            n = int(x.shape[-2]) if x.ndim >= 3 else 1
+            if n > self.seq_len:
+                self.seen_seq_len = max(n, self.seen_seq_len or 0)
+                found.append(f"sequence length {n} > the certified seq_len {self.seq_len}")
+        if state and self.r0 is not None and x.numel():
+            # the per-token norm (docs/theory.md section 3: r0 bounds max_i ||x_i||), once per forward
+            r = float(torch.linalg.vector_norm(x.detach(), dim=-1, dtype=torch.float32).max())
+            if not r <= self.r0:  # NaN counts as outside
+                r = math.inf if math.isnan(r) else r
+                self.seen_r0 = max(r, self.seen_r0 or 0.0)
+                found.append(f"input per-token norm {r:.4g} > the certified r0 {self.r0:.4g}")
+        if found:
+            self._report(found, stacklevel)
+
+    def _report(self, found: List[str], stacklevel: int) -> None:
+        key = frozenset(f.split(" ", 1)[0] for f in found)
+        msg = (f"{self.owner} ran outside its certified envelope: {'; '.join(found)}. Its certificate() is now "
+               f"computed at the envelope used ({self._used_text()}); certify it for that run, or keep the inputs "
+               "inside the envelope")
+        if self.strict:
+            from .stack import CertificationError
+
+            raise CertificationError(msg)
+        if not key <= self.warned:
+            self.warned |= key
+            warnings.warn(msg, EnvelopeWarning, stacklevel=stacklevel)
+
+    def _used_text(self) -> str:
+        dtype, seq_len, r0 = self.used()
+        parts = [dtype] + ([f"seq_len {seq_len}"] if seq_len is not None else []) + (
+            [f"r0 {r0:.4g}"] if r0 is not None else [])
+        return ", ".join(parts)
+
+    def __repr__(self) -> str:
+        return (f"Envelope({self.owner}: dtype={self.dtype}, seq_len={self.seq_len}, r0={self.r0}, "
+                f"strict={self.strict}, used={self._used_text()})")
+
+
+class _EnvelopeHook:
+    """The forward pre-hook that checks a converted model's first update (a callable object: ``copy.deepcopy`` and
+    pickling carry the envelope with the model)."""
+
+    def __init__(self, envelope: Envelope) -> None:
+        self.envelope = envelope
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        found = state_of(module, args, kwargs)
+        if found is not None:
+            self.envelope.check(found[0], stacklevel=7)
+
+
+# ------------------------------------------------------------------------------------------------ the protocol
+@runtime_checkable
+class ResidualModel(Protocol):
+    """A model that lists its own residual updates (every zoo model; any user model may implement it).
+
+    ``residual_updates()`` gives ``(module path, velocity)`` in depth order (step ``dt = 1``),
+    ``input_radius()`` a sound bound on the per-token norm of the first update's input, and
+    ``certificate_seq_len()`` the sequence length the certificates are for.  Optional: ``head_certificate()``,
+    ``update_certificates(seq_len=...)``, ``certificate(dtype, ...)``, ``levers()``, ``loss_gradient``.
+    """
+
+    def residual_updates(self) -> List[Tuple[str, nn.Module]]: ...
+
+    def input_radius(self) -> float: ...
+
+    def certificate_seq_len(self) -> int: ...
+
+
+def _lists_updates(model: Any) -> bool:
+    return all(callable(getattr(model, a, None)) for a in ("residual_updates", "input_radius", "certificate_seq_len"))
+
+
+def _real(name: str, value: Any, *, positive: bool = False) -> Optional[float]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+            value <= 0 if positive else value < 0):
+        raise ValueError(f"{name} must be a finite number {'>' if positive else '>='} 0 or None, got {value!r}")
+    return float(value)
+
+
+@dataclass
+class CertifiedModel:
+    """A model as certblocks reads it (:func:`as_certified`): its residual updates in depth order and the run
+    parameters of its certificate.
+
+    Attributes:
+        names: one label per update (module paths where known).
+        modules: the velocity modules ``v_k`` (empty for kind ``"graph"``: the updates are in the graph).
+        dt: the residual step.
+        r0: bound on the per-token norm of the first update's input; a callable is re-read at each check (a zoo
+            model's ``input_radius``, computed from the embedding weights).
+        seq_len: the sequence length offered to the certificates (``None``: the blocks' default).
+        lip_g: ``Lip(G)`` of the head where no head certificate stands for it.
+        fixed: a given certificate per update, or ``None`` (computed from the module).
+        kind: one of :data:`KINDS`.
+        module: the underlying ``nn.Module`` (unwrapped; ``None`` for ``(name, module)`` pairs).
+        wrapper: what :meth:`__call__` calls (the object handed in: a DDP or compiled wrapper calls through it).
+        dtype: the model's own certification dtype (a stack's, a zoo model's ``cert_dtype``), else ``None``.
+        example_input: the batch a ``"graph"`` model's certificate is captured on.
+        r0_given, seq_len_given, lip_g_given: ``r0`` / ``seq_len`` / ``lip_g`` were given to :func:`as_certified`
+            (they override the model's own).
+        strict: the envelope's ``strict`` to set when :meth:`certificate` records one (``None``: leave it).
+    """
+
+    names: List[str]
+    modules: List[nn.Module] = field(repr=False)
+    dt: float = 1.0
+    r0: Union[float, Callable[[], float]] = 1.0
+    seq_len: Optional[int] = None
+    lip_g: float = 1.0
+    fixed: List[Optional[BlockCertificate]] = field(default_factory=list, repr=False)
+    kind: str = "pairs"
+    module: Optional[nn.Module] = field(default=None, repr=False)
+    wrapper: Any = field(default=None, repr=False)
+    dtype: Optional[str] = None
+    example_input: Any = field(default=None, repr=False)
+    r0_given: bool = False
+    seq_len_given: bool = False
+    lip_g_given: bool = False
+    strict: Optional[bool] = None
+
+    # -- the updates -------------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.modules)
+
+    def __bool__(self) -> bool:  # a "graph" model has no update listed, and is still a model
+        return True
+
+    def __iter__(self) -> Iterator[Tuple[str, nn.Module]]:
+        return iter(zip(self.names, self.modules))
+
+    def radius(self) -> float:
+        """``r0`` now (a callable is evaluated)."""
+        return float(self.r0()) if callable(self.r0) else float(self.r0)
+
+    @property
+    def stack_forward(self) -> bool:
+        """The module's forward is the chain ``X_{k+1} = X_k + dt v_k(X_k)`` of these updates (a stack, a zoo
+        model): hooks on the updates give every state.  A converted model's blocks may sit behind kept
+        normalizations: its states are read from its graph."""
+        return self.kind in ("stack", "zoo")
+
+    @property
+    def loss_gradient(self) -> float:
+        """Bound on the loss gradient in the head's output (a zoo model's, else 1)."""
+        return float(getattr(self.module, "loss_gradient", 1.0)) if self.kind == "zoo" else 1.0
+
+    def io(self, k: int) -> Tuple[nn.Module, nn.Module]:
+        """``(entry, exit)`` of update ``k``: the module whose input is ``X_k`` and the one whose output is
+        ``v(X_k)`` -- the update itself, or where it is a view outside the forward (``velocity_io()``: a gained
+        branch), its branch and its gain."""
+        m = self.modules[k]
+        io = getattr(m, "velocity_io", None)
+        return io() if callable(io) else (m, m)
+
+    def attention(self, k: int) -> Optional[nn.Module]:
+        """The attention inside update ``k`` (the first submodule with ``attention_stats()``), or ``None``."""
+        return attention_module(self.io(k)[0])
+
+    def certificates(self, seq_len: Optional[int] = None, *, cached: bool = True) -> List[BlockCertificate]:
+        """One certificate per update, named by :attr:`names` (float64 linear algebra on one thread: on a busy
+        machine multi-threaded LAPACK on these small matrices was measured many times slower).
+
+        ``cached=False`` computes each from its module now: a model's cache is keyed on the parameters' version
+        counters, which a write that hides from them (FSDP2's gathered copies) does not bump."""
+        n = self.seq_len if seq_len is None else seq_len
+        if cached and self.kind == "zoo" and callable(getattr(self.module, "update_certificates", None)):
+            certs = list(self.module.update_certificates(seq_len=n))  # type: ignore[union-attr]
+            return [dataclasses.replace(c, name=name) for c, name in zip(certs, self.names)]
+        with one_thread():
+            return self._certificates(n)
+
+    def _certificates(self, seq_len: Optional[int]) -> List[BlockCertificate]:
+        from .stack import block_certificate
+
+        out = []
+        fixed = self.fixed or [None] * len(self.modules)
+        for name, m, f in zip(self.names, self.modules, fixed):
+            try:
+                cert = f if f is not None else block_certificate(m, seq_len=seq_len, prefix=f"{name}.")
+            except ValueError as e:
+                if seq_len is None and "needs seq_len" in str(e):
+                    raise ValueError(f"update {name!r} ({type(m).__name__}) needs the sequence length for its "
+                                     "certificate: pass seq_len=") from e
+                raise
+            out.append(dataclasses.replace(cert, name=name))
+        return out
+
+    def head_certificate(self) -> Optional[BlockCertificate]:
+        """The head ``G`` as a map certificate (a zoo model's), or ``None`` (then :attr:`lip_g` stands in)."""
+        head = getattr(self.module, "head_certificate", None) if self.kind == "zoo" else None
+        return head() if callable(head) else None
+
+    def levers(self) -> Dict[int, List[Lever]]:
+        """The block levers of each update (``init_values``, ``qk_norm_eps``), by update index: the blocks'
+        ``levers()`` (a zoo model's own ``levers()`` where it has one: its gains)."""
+        own = getattr(self.module, "levers", None) if self.kind == "zoo" else None
+        if callable(own):
+            return dict(own())
+        fixed = self.fixed or [None] * len(self.modules)
+        out: Dict[int, List[Lever]] = {}
+        for k, (m, f) in enumerate(zip(self.modules, fixed)):
+            ls = list(getattr(m, "levers", lambda: [])()) if f is None else []
+            if ls:
+                out[k] = ls
+        return out
+
+    # -- the certificate ---------------------------------------------------------------------------------------
+    @property
+    def envelope(self) -> Optional[Envelope]:
+        """The model's :class:`Envelope` (a stack's or zoo model's own; a converted model's once
+        :meth:`certificate` recorded one), or ``None``."""
+        return getattr(self.module, "envelope", None) if self.kind in ("stack", "zoo") else \
+            getattr(self.module, "_certblocks_envelope", None)
+
+    def certificate(self, dtype: Any = None, *, r0: Optional[float] = None, seq_len: Optional[int] = None,
+                    record_envelope: bool = True) -> StackCertificate:
+        """The :class:`~certblocks.StackCertificate` of the model's chain from its current weights.
+
+        Args:
+            dtype: the dtype (a torch dtype or a name); default: the envelope used (the narrowest dtype a forward
+                ran in, else the model's own certification dtype).  A converted model has no dtype of its own:
+                its first certificate needs one.
+            r0: bound on the first update's input (default: :func:`as_certified`'s, else the model's, widened by
+                the envelope used).
+            seq_len: the sequence length (default likewise).
+            record_envelope: a converted model records the envelope of this certificate (:class:`Envelope`; a
+                forward pre-hook on its first update checks each forward); ``False`` for a look that certifies no
+                run (the monitor's checks).
+
+        Raises:
+            ValueError: no dtype for a model without one, a graph model without ``example_input``, or a block that
+                needs ``seq_len``.
+        """
+        r0 = _real("r0", r0)
+        if seq_len is not None:
+            check_int("seq_len", seq_len)
+        if r0 is None and self.r0_given:
+            r0 = self.radius()
+        if seq_len is None and self.seq_len_given:
+            seq_len = self.seq_len
+        if self.kind == "stack":
+            return self.module.certificate(dtype, seq_len=seq_len, r0=r0)  # type: ignore[union-attr]
+        if self.kind == "zoo" and callable(getattr(self.module, "certificate", None)):
+            kw = {"lip_g": self.lip_g} if self.lip_g_given else {}
+            return self.module.certificate(dtype, r0=r0, seq_len=seq_len, **kw)  # type: ignore[union-attr]
+        env = self.envelope
+        used = env.used() if env is not None else (None, None, None)
+        if dtype is None:
+            dtype = used[0] or self.dtype
+            if dtype is None:
+                raise ValueError(f"dtype: {type(self.module).__name__ if self.module is not None else 'the model'} has "
+                                 "no certification dtype of its own; pass one (certificate('bf16'))")
+        name = dtype_name(dtype)
+        if self.kind == "graph":
+            return self._graph_certificate(name, r0)
+        n = seq_len if seq_len is not None else _wider(self.seq_len, used[1])
+        r = r0 if r0 is not None else _wider(self.radius(), used[2])
+        head = None if self.lip_g_given else self.head_certificate()
+        certs = self.certificates(n)
+        if head is not None:
+            cert = certify_stack(certs, name, dt=self.dt, r0=r, head=head, loss_grad=self.loss_gradient)
+        else:
+            cert = certify_stack(certs, name, dt=self.dt, r0=r, lip_g=self.lip_g)
+        if record_envelope and self.module is not None and self.modules:
+            self._record_envelope(name, n, r)
+        return cert
+
+    def _graph_certificate(self, dtype: str, r0: Optional[float]) -> StackCertificate:
+        if self.example_input is None:
+            raise ValueError(f"{type(self.module).__name__} has no certified block: its updates are read from its "
+                             "graph, which needs a batch (as_certified(model, example_input=...))")
+        from .trace import ModelCertificate, certify
+
+        rep = certify(self.module, self.example_input)  # type: ignore[arg-type]
+        rep = rep if isinstance(rep, ModelCertificate) else ModelCertificate([rep], type(self.module).__name__)
+        if r0 is None:
+            own = getattr(self.module, "input_radius", None)
+            r0 = float(own()) if callable(own) else self.radius()
+        return rep.stack(dtype, r0=r0, dt=self.dt)
+
+    def _record_envelope(self, dtype: str, seq_len: Optional[int], r0: float) -> None:
+        """A converted model's envelope: recorded on the module, checked by a pre-hook on the first update."""
+        assert self.module is not None
+        env = getattr(self.module, "_certblocks_envelope", None)
+        if env is None:
+            env = Envelope(type(self.module).__name__, dtype, seq_len, r0)
+            self.module.__dict__["_certblocks_envelope"] = env
+        else:
+            env.record(dtype, seq_len, r0)
+        if self.strict is not None:
+            env.strict = self.strict
+        entry = self.io(0)[0]
+        if not any(isinstance(h, _EnvelopeHook) and h.envelope is env for h in entry._forward_pre_hooks.values()):
+            entry.register_forward_pre_hook(_EnvelopeHook(env), with_kwargs=True)
+
+    def fixes(self, dtype: Any = None, *, enforce: bool = True) -> List[Fix]:
+        """For a model refused in ``dtype``, the value of each lever it has that certifies it, each certified
+        again (:mod:`certblocks.fixes`): its blocks' ``levers()``, ``dt`` where the model has a step (a stack),
+        the number of updates, :func:`certblocks.enforce`'s cap factor (``enforce``) and a wider dtype.  Empty when
+        certified."""
+        from .fixes import Fix, compute_fixes
+
+        if self.kind in ("stack", "zoo") and callable(getattr(self.module, "fixes", None)) and not (
+                self.r0_given or self.seq_len_given):
+            return list(self.module.fixes(dtype) if self.kind == "zoo" else self.module.fixes())  # type: ignore
+        cert = self.certificate(dtype, record_envelope=False)
+        if cert.ok:
+            return []
+        extra: List[Fix] = []
+        if enforce and self.modules and not any(f is not None for f in self.fixed):
+            from .enforcement import cap_factor
+
+            try:
+                alpha, worst = cap_factor(self, cert.dtype, r0=cert.r0, lip_g=cert.lip_g)
+                extra.append(Fix("enforce", alpha, worst.certified_depth, worst.depth, worst.ok,
+                                 f"certblocks.enforce(model, {cert.dtype!r}) with cap factor {alpha:.3g} "
+                                 f"({'keeps' if alpha >= 1 else 'shrinks'} the current weights)"))
+            except (TypeError, ValueError):  # a block without caps, or no caps certify it
+                pass
+        return compute_fixes(cert, levers=self.levers(), extra=extra, dt=self.kind == "stack")
+
+    # -- running it --------------------------------------------------------------------------------------------
+    def __call__(self, batch: Any) -> Any:
+        """The model on ``batch`` (:func:`as_args`), through the wrapper it was handed in."""
+        if self.wrapper is None:
+            raise TypeError("(name, module) pairs are not a model: there is nothing to call")
+        args, kwargs = as_args(batch)
+        return self.wrapper(*args, **kwargs)
+
+
+def _wider(own: Optional[float], seen: Optional[float]) -> Any:
+    if seen is None:
+        return own
+    return seen if own is None else max(own, seen)
+
+
+def attention_module(m: nn.Module) -> Optional[nn.Module]:
+    """The attention inside a velocity: the first of its modules (itself included) with ``attention_stats()``."""
+    for sub in m.modules():
+        if callable(getattr(sub, "attention_stats", None)):
+            return sub
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ the adapter
+def _block_updates(model: nn.Module) -> Tuple[List[str], List[nn.Module]]:
+    """Every certified block not inside another one, in module order (a layer of several updates: each)."""
+    names: List[str] = []
+    mods: List[nn.Module] = []
+    taken: List[str] = []
+    for path, m in model.named_modules():
+        if any(path.startswith(t + ".") for t in taken):
+            continue
+        ups = getattr(m, "updates", None)
+        if callable(ups) and callable(getattr(m, "certificates", None)):  # a layer of several updates
+            for j, u in enumerate(ups()):
+                names.append(f"{path}.updates[{j}]" if path else f"updates[{j}]")
+                mods.append(u)
+            taken.append(path)
+        elif callable(getattr(m, "certificate", None)) and hasattr(m, "exponents") and m is not model:
+            names.append(path)
+            mods.append(m)
+            taken.append(path)
+    return names, mods
+
+
+def _pairs(obj: Sequence[Any]) -> Tuple[List[str], List[nn.Module]]:
+    names, mods = [], []
+    for k, item in enumerate(obj):
+        if (not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], str)
+                or not isinstance(item[1], nn.Module)):
+            raise TypeError(f"model[{k}] must be a (name, nn.Module) pair, got {item!r}")
+        names.append(item[0])
+        mods.append(item[1])
+    if not mods:
+        raise ValueError("model must contain at least one (name, module) pair")
+    return names, mods
+
+
+def underlying(obj: Any) -> Any:
+    """The ``nn.Module`` behind ``obj`` (wrappers and a ConversionReport removed), or ``obj`` itself."""
+    from .conversion import ConversionReport
+
+    if isinstance(obj, ConversionReport):
+        obj = obj.model
+    return unwrap(obj)
+
+
+def as_certified(obj: Any, *, r0: Optional[float] = None, seq_len: Optional[int] = None, dt: Optional[float] = None,
+                 example_input: Any = None, lip_g: Optional[float] = None, strict: Optional[bool] = None
+                 ) -> CertifiedModel:
+    """Read any model as a :class:`CertifiedModel` (module docstring: what is recognized and how).
+
+    Args:
+        obj: a :class:`~certblocks.CertifiedStack`, a zoo model (:class:`ResidualModel`), a converted model or its
+            :class:`~certblocks.ConversionReport`, any of these inside DDP / DataParallel / FSDP / ``torch.compile``,
+            a sequence of ``(name, module)`` pairs, or any other ``nn.Module`` (kind ``"graph"``).
+        r0: the input radius (overrides the model's; converted models and pairs default to 1).
+        seq_len: the sequence length of the certificates (overrides the model's; Mamba blocks need one).
+        dt: the residual step of a converted model's or pairs' updates (default 1); a stack or zoo model has its
+            own and a different value raises.
+        example_input: a batch (tensor, tuple, mapping), for a model whose updates are read from its graph.
+        lip_g: ``Lip(G)`` of the head (default the stack's, else 1; a zoo model's head certificate when ``None``).
+        strict: set the envelope's ``strict`` (:class:`Envelope`): raise at a forward outside it.
+
+    Raises:
+        TypeError: ``obj`` is none of the above, or a pair is not ``(str, nn.Module)``.
+        ValueError: an argument out of range, or empty pairs.
+    """
+    r0 = _real("r0", r0)
+    dt_v = _real("dt", dt, positive=True)
+    lip = _real("lip_g", lip_g, positive=True)
+    if seq_len is not None:
+        check_int("seq_len", seq_len)
+    if strict is not None and not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool or None, got {strict!r}")
+    given = dict(r0_given=r0 is not None, seq_len_given=seq_len is not None, lip_g_given=lip is not None,
+                 example_input=example_input, strict=strict)
+    if isinstance(obj, CertifiedModel):
+        return obj if not any((r0 is not None, seq_len is not None, dt is not None, lip_g is not None)) else \
+            dataclasses.replace(obj, r0=obj.r0 if r0 is None else r0, seq_len=obj.seq_len if seq_len is None else
+                                seq_len, dt=obj.dt if dt_v is None else dt_v, lip_g=obj.lip_g if lip is None else lip,
+                                r0_given=obj.r0_given or r0 is not None,
+                                seq_len_given=obj.seq_len_given or seq_len is not None,
+                                lip_g_given=obj.lip_g_given or lip is not None)
+    if isinstance(obj, (list, tuple)):
+        names, mods = _pairs(obj)
+        return CertifiedModel(names, mods, dt=dt_v or 1.0, r0=1.0 if r0 is None else r0, seq_len=seq_len,
+                              lip_g=lip or 1.0, kind="pairs", **given)
+    from .stack import CertifiedStack
+
+    model = underlying(obj)
+    wrapper = obj if isinstance(obj, nn.Module) else model
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a CertifiedStack, a zoo model, a ConversionReport, an nn.Module (with "
+                        f"certified blocks, or read from its graph) or a sequence of (name, module) pairs, got "
+                        f"{type(obj).__name__}")
+    common = dict(module=model, wrapper=wrapper, **given)
+    if isinstance(model, CertifiedStack):
+        _same_dt(dt_v, model.dt, model)
+        n = len(model.blocks)
+        out = CertifiedModel([f"blocks.{k}" for k in range(n)], list(model.blocks), dt=model.dt,
+                             r0=model.r0 if r0 is None else r0, seq_len=model.seq_len if seq_len is None else seq_len,
+                             lip_g=model.lip_g if lip is None else lip, fixed=list(model._explicit), kind="stack",
+                             dtype=model.dtype, **common)
+    elif _lists_updates(model):
+        _same_dt(dt_v, 1.0, model)
+        pairs = list(model.residual_updates())  # type: ignore[operator]
+        out = CertifiedModel([p for p, _ in pairs], [m for _, m in pairs], dt=1.0,
+                             r0=model.input_radius if r0 is None else r0,  # type: ignore[attr-defined]
+                             seq_len=int(model.certificate_seq_len()) if seq_len is None else seq_len,  # type: ignore
+                             lip_g=lip or 1.0, kind="zoo", dtype=getattr(model, "cert_dtype", None), **common)
+    else:
+        names, mods = _block_updates(model)
+        out = CertifiedModel(names, mods, dt=dt_v or 1.0, r0=1.0 if r0 is None else r0, seq_len=seq_len,
+                             lip_g=lip or 1.0, kind="blocks" if mods else "graph", **common)
+    env = out.envelope
+    if strict is not None and env is not None:
+        env.strict = strict
+    return out
+
+
+def _same_dt(dt: Optional[float], own: float, model: nn.Module) -> None:
+    if dt is not None and dt != own:
+        raise ValueError(f"dt={dt!r} differs from the step {own:g} of {type(model).__name__}'s updates (the "
+                         "certificate is for the model as it runs): leave dt=None")
