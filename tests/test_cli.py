@@ -108,7 +108,7 @@ def test_readme_python_examples_run_each_on_its_own(capsys):
         first = first or namespace
     out = capsys.readouterr().out
     assert "fp32: D_F=127, D_grad=11, D_cert=11" in out and "False 11" in out
-    assert first["model"].certificate.certified_depth == 8
+    assert first["model"].certificate().certified_depth == 8
 
 
 def test_readme_documents_the_exit_codes():

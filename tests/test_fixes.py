@@ -133,19 +133,19 @@ def test_stack_qk_norm_eps_fix_certifies_when_set():
     for _ in range(6):
         blocks += [QKNormAttention(32, 2), MLP(32, 64)]
     stack = build_stack(blocks, "fp16", r0=2.0, seq_len=16, certify=False)
-    if stack.certificate.ok:
+    if stack.certificate().ok:
         pytest.fail("the test needs a refused configuration")
     with pytest.raises(CertificationError, match="each certified again"):
         build_stack(blocks, "fp16", r0=2.0, seq_len=16)
     fixes = {f.lever: f for f in stack.fixes()}
     assert "dt" in fixes and "enforce" in fixes
     dt = fixes["dt"].value
-    assert build_stack(blocks, "fp16", r0=2.0, seq_len=16, dt=dt).certificate.ok
+    assert build_stack(blocks, "fp16", r0=2.0, seq_len=16, dt=dt).certificate().ok
     if "qk_norm_eps" in fixes:
         eps = fixes["qk_norm_eps"].value
         for b in blocks[::2]:
             b.q_norm.eps = b.k_norm.eps = eps
-        assert build_stack(blocks, "fp16", r0=2.0, seq_len=16).certificate.ok
+        assert build_stack(blocks, "fp16", r0=2.0, seq_len=16).certificate().ok
 
 
 def test_fixes_in_json_and_explain():

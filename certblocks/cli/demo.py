@@ -67,7 +67,7 @@ def run_demo(dtypes: Sequence[str] = ("fp16", "bf16", "fp32")) -> int:
     gen = torch.Generator().manual_seed(0)
     stack = build_stack([ScaledLinear(32, 0.4, gen) for _ in range(24)], torch.float16)
     print("== build_stack: 24 linear velocities with ||W||_op = 0.4 in fp16")
-    print(stack.certificate.explain())
+    print(stack.certificate().explain())
     print()
     print("== build_stack refuses: 10 such updates followed by 4 SwiGLU-like updates (q = 2) in fp16")
     swiglu = BlockCertificate(2, 1, c=1.0, l1=1.0, l0=1.0, culprit="SiLU(W_u x) * (W_g x)")
