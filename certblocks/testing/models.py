@@ -412,14 +412,17 @@ def _boundaries(model_certificate: Any, st: StackCertificate, integer: bool) -> 
 
 
 def _segment_peaks(model_certificate: Any, st: StackCertificate) -> List[Tuple[List[str], float, str]]:
-    """Each segment's graph nodes (its per-node table, its input left out) and its peak at its input radius."""
+    """Each segment's graph nodes (its per-node table, and those of the model outputs computed from its input, its
+    input left out) and its peak at its input radius."""
     segs = ([model_certificate.stem] if model_certificate.stem is not None else []) + list(model_certificate.segments)
     pairs = [(segs[k], st.updates[k].peak_bound(float(st.radii[k])), f"segment {k} ({segs[k].name})")
              for k in range(len(segs))]
     if model_certificate.head is not None and st.head is not None:
         pairs.append((model_certificate.head, st.head.peak_bound(float(st.radii[-1])),
                       f"the head ({model_certificate.head.name})"))
-    return [([r.node for r in tc.nodes if r.node != tc.input_node], float(bound), label)
+    outputs = list(getattr(model_certificate, "outputs", ()))
+    return [([r.node for t in [tc] + [o for o in outputs if o.input_node == tc.input_node] for r in t.nodes
+              if r.node != tc.input_node], float(bound), label)
             for tc, bound, label in pairs if bound is not None]
 
 
