@@ -59,16 +59,19 @@ def peak(it: VelocityInterpreter) -> Peak:
     Unknown is never zero: a floating value computed from the input without a finite bound makes the peak
     :meth:`~certblocks.certificate.Peak.unbounded`, naming the node and why.  Integer and boolean values (token ids,
     indices, masks) cannot overflow a floating dtype and are left out: every floating value computed from them is a
-    node of its own.  Values hidden inside a module atom or a certified call are bounded by it.
+    node of its own.  Values hidden inside a module atom or a certified call are bounded by it (a certified call
+    leaves its peak on one tensor it hides: :func:`~certblocks.trace.own.representative`).
     """
     hidden = {m.name for grp in it.atom_groups.values() for m in grp.members if m is not grp.output}
     for call, _ in it.certified_calls.values():
         hidden |= set(call.members) - {call.output.name}
     polys: List[Tuple[str, Poly]] = []
     for n in it.order:
-        if n.name in hidden:
-            continue
-        for k, av in _values(it, n):
+        values = _values(it, n)
+        if n.name in hidden:  # only the value a collapsed call leaves on one tensor it hides (its peak) counts
+            av = it.value_of(n.name)
+            values = [(0, av)] if av is not None else []
+        for k, av in values:
             if av is not None and av.const:
                 continue
             bound = None if av is None else av.entry_bound()  # max_abs when derived, else the row-norm bound
@@ -77,7 +80,7 @@ def peak(it: VelocityInterpreter) -> Peak:
                 return Peak.unbounded(f"node {n.name}{f' (output {k})' if k else ''} ({_op(n)}) has no finite entry "
                                       f"bound: {why}")
             polys.append((n.name, bound))
-        if n.op == "call_function" and "scaled_dot_product" in op_name(n.target):
+        if n.name not in hidden and n.op == "call_function" and "scaled_dot_product" in op_name(n.target):
             q, k = it.value_of(n.args[0].name), it.value_of(n.args[1].name)
             if q is None or k is None or q.growth is None or k.growth is None:
                 return Peak.unbounded(f"the query-key logits of {n.name}: the query or key bound is not derived")

@@ -325,7 +325,8 @@ class ModelCertificate:
                           else ""))
         out += [f"output {o.output_node}: bounded from the input of segment {o.input_node}: {o.certificate}"
                 for o in self.outputs]
-        out += [f"{'NOT BOUNDED' if isinstance(n, Unbounded) else 'note'}: {n}" for n in self.notes]
+        standing = self.unbounded()
+        out += [f"{'NOT BOUNDED' if any(n is u for u in standing) else 'note'}: {n}" for n in self.notes]
         return "\n".join(out)
 
     def to_dict(self) -> Dict[str, Any]:

@@ -340,6 +340,7 @@ def test_pooler_output_is_bounded_once_certified():
     st = rep.stack("fp32", r0=float(x.norm(dim=-1).max()))
     assert st.ok, st.explain()
     assert "output tanh_2" in rep.explain() and rep.to_dict()["unbounded"] == []
+    assert "NOT BOUNDED" not in rep.explain() and "note: output 1 (tanh_2)" in rep.explain()
     cbt.assert_model_sound(m, st, x, model_certificate=rep, **SEARCH)
 
 
