@@ -377,3 +377,38 @@ def test_unknown_factors_and_peaks_are_not_zero():
     hand = certify_stack([replace(_OK, peak=None), _OK], "fp32")  # built by hand without a peak: said, not hidden
     assert hand.ok and hand.unchecked == [0] and "not checked: segment(s) 0" in hand.explain()
     assert hand.to_dict()["unchecked"] == [0]
+
+
+def test_a_collapsed_certified_call_keeps_its_peak():
+    """A velocity that holds a certified block's call among other ops: the call hides its nodes, and the peak it
+    leaves on one of them (its representative) is in the velocity's peak, even where the call's output is bounded
+    far below its intermediates (a small down-projection after a large gate)."""
+    from certblocks.blocks import GatedMLP
+    from certblocks.bounds.poly import Poly
+    from certblocks.trace.collapse import peak
+    from certblocks.trace.interp import VelocityInterpreter
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = GatedMLP(D, 4 * D)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + 0.25 * torch.tanh(self.mlp(x))
+
+    torch.manual_seed(0)
+    m = Scaled().eval()
+    rep = certify(m, torch.randn(1, 4, D))
+    cert, own = rep.updates[0].certificate, m.mlp.certificate()
+    assert cert.peak is not None and cert.peak.derived and own.peak is not None
+    g = capture(m, (torch.randn(1, 4, D),))
+    x, f, _ = find_residual_updates(g)[0]
+    it = VelocityInterpreter(g, x, f)
+    it.run()
+    (call, _), = it.certified_calls.values()
+    out = it.values[call.output.name]
+    out.max_abs = out.growth = Poly.const(1e-3)  # the call's output far below its intermediates
+    folded = peak(it)
+    for r in (0.5, 3.0, 40.0):
+        assert cert.peak.bound(r) >= own.peak.bound(r), (r, cert.peak, own.peak)
+        assert folded.bound(r) >= own.peak.bound(r), (r, folded, own.peak)
