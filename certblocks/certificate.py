@@ -57,18 +57,33 @@ class Peak:
     (its output included) is at most ``c ||x||^q + b`` in absolute value, so the
     forward depth also requires ``c R_k^q + b < M`` at each update's input radius.
 
+    A peak whose bound was not derived (a node of a traced graph without a finite bound, a value the
+    chain reads at its example, an output of the model it does not bound) is :meth:`unbounded`: its
+    bound is the largest float, so it reaches every dtype's ``M`` and a chain holding it is not
+    certified, the failure naming ``what``.  Unknown is never zero (THEORY.md section 6).
+
     Args:
         q: exponent (``q = 2`` for query-key logits and bilinear gates).
         c: coefficient.
         b: offset.
         what: the intermediate that attains the bound, for reports
-            (``"query-key logits"``).
+            (``"query-key logits"``); for an unbounded peak, the value not bounded and why.
     """
 
     q: float
     c: float
     b: float = 0.0
     what: str = ""
+
+    @classmethod
+    def unbounded(cls, what: str) -> Peak:
+        """A peak that is not derived: ``what`` names the value and the reason (reports and the failure)."""
+        return cls(0.0, sys.float_info.max, 0.0, what)
+
+    @property
+    def derived(self) -> bool:
+        """False for an :meth:`unbounded` peak (a coefficient at the largest float)."""
+        return self.c < sys.float_info.max and self.b < sys.float_info.max
 
     def __post_init__(self) -> None:
         for name in ("q", "c", "b"):
@@ -90,6 +105,8 @@ class Peak:
 
     def __str__(self) -> str:
         what = f" ({self.what})" if self.what else ""
+        if not self.derived:
+            return f"peak not derived{what}"
         return f"peak <= {_fmt_num(self.c)} ||x||^{_fmt_num(self.q)} + {_fmt_num(self.b)}{what}"
 
 
@@ -109,8 +126,12 @@ class BlockCertificate:
         fix: a suggestion in words for lowering the exponents (reports); when
             empty, :func:`suggest_fix` writes one from the exponents.
         peak: bound on the largest intermediate value (:class:`Peak`), or ``None``
-            when the block states none (then only the state is checked; every
-            shipped block states one).
+            when the block states none: then only the state is checked, and a
+            :class:`StackCertificate` lists the segment under ``unchecked``
+            (every shipped block and every traced certificate states one; a
+            :class:`~certblocks.trace.ModelCertificate` refuses a segment without).
+            :meth:`Peak.unbounded` when a bound is not derived: the chain is
+            not certified.
         kind: ``"update"`` (default; ``X' = X + dt v(X)``), ``"map"`` (``X' = v(X)``: the growth and
             Jacobian bounds are the map's own, its backward factor is ``L(R)`` without ``1 +``) or
             ``"block"`` (a residual block with a non-identity shortcut certified as one map, counted
@@ -328,8 +349,18 @@ class StackCertificate:
 
     @property
     def log_gradient_bound(self) -> float:
-        """Upper bound of ``log(||p_0|| / Lip(G))``: the sum of the segments' factors."""
-        return math.fsum(f for f in self.log_factors if not math.isnan(f))
+        """Upper bound of ``log(||p_0|| / Lip(G))``: the sum of the segments' factors (``inf`` when a factor is not
+        derived: an unknown factor is not 0)."""
+        if any(math.isnan(f) for f in self.log_factors):
+            return math.inf
+        return math.fsum(self.log_factors)
+
+    @property
+    def unchecked(self) -> List[int]:
+        """The segments that state no peak (``peak=None``, certificates built by hand): only their state is
+        bounded, not the intermediates they compute.  ``len(updates)`` stands for the head."""
+        out = [k for k, u in enumerate(self.updates) if u.peak is None]
+        return out + ([len(self.updates)] if self.head is not None and self.head.peak is None else [])
 
     def in_dtype(self, dtype: object) -> StackCertificate:
         """The same chain (segments, head, loss gradient, ``dt``, ``r0``) certified for another dtype."""
@@ -359,6 +390,7 @@ class StackCertificate:
             "radius_out": json_number(self.radii[-1]),
             "head": None if self.head is None else self.head.to_dict(),
             "loss_grad": self.loss_grad, "output_bound": json_number(self.output_bound),
+            "unchecked": self.unchecked,
             "fixes": [f.to_dict() for f in self.fixes()],
         }
 
@@ -398,6 +430,11 @@ class StackCertificate:
         out += [line(r) for r in rows]
         out.append(f"R_{len(self.updates)} = {_fmt_num(self.radii[-1])}"
                    + ("" if self.head is None else f", head output <= {_fmt_num(self.output_bound)}"))
+        if self.unchecked:
+            names = ["G" if k == len(self.updates) else str(k) for k in self.unchecked]
+            which = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+            out.append(f"not checked: segment(s) {which} state no peak: only their state is bounded, not their "
+                       "intermediates")
         if self.ok:
             out.append(f"certified: all {self.depth} updates (D_F >= {self.forward_depth}, "
                        f"D_grad >= {self.backward_depth}) in {self.dtype}")
@@ -478,15 +515,35 @@ def certify_stack(certs: Sequence[BlockCertificate], dtype: object, *, dt: float
         bwd_seg = min(bwd_seg, unknown)
         if scan.unknown_q is not None:
             fwd_seg = min(fwd_seg, scan.unknown_q)
+    blind = next((k for k, c in enumerate(certs) if c.peak is not None and not c.peak.derived), None)
+    if blind is not None:  # an intermediate not bounded: the forward pass is not certified from there on
+        fwd_seg = min(fwd_seg, blind)
     cert_seg = min(fwd_seg, bwd_seg)
-    failure = None
     head_fails = scan.forward_overflow == n + 1
-    if head_backward and (fwd_seg < n or head_fails):  # a forward failure comes first
-        failure = locate_failure(certs, name, fwd_seg, scan, unknown, fwd_seg, n, head)
+    head_why = _head_unknown(head)
+
+    def at(k: int, bwd: int) -> Failure:
+        """The failure at segment ``k < n`` (``n``: the head's forward), an unbounded peak named as such."""
+        if k < n and k == blind and k != unknown:
+            return _unbounded_failure(certs[k], k)
+        return locate_failure(certs, name, k, scan, unknown, fwd_seg, bwd, head)
+
+    failure = None
+    if head_why is not None:  # a failure before the head comes first; else the head's unknown bound
+        if fwd_seg < n:
+            failure = at(fwd_seg, n)
+        elif not head_backward and bwd_seg < n:
+            failure = at(bwd_seg, bwd_seg)
+        else:
+            assert head is not None
+            fix = suggest_fix(head, "unknown") if head.q is None or head.sigma is None else _BOUND_IT
+            failure = Failure(n, head.name, "unknown", f"the head '{head.name or 'head'}': {head_why}", fix, "head")
+    elif head_backward and (fwd_seg < n or head_fails):  # a forward failure comes first
+        failure = at(fwd_seg, n)
     elif head_backward:
         failure = head_gradient_failure(head, n, lip_g, loss_grad, scan.radii[-1], M)  # type: ignore[arg-type]
     elif cert_seg < n or head_fails:
-        failure = locate_failure(certs, name, cert_seg, scan, unknown, fwd_seg, bwd_seg, head)
+        failure = at(cert_seg, bwd_seg)
 
     def updates_before(seg: int) -> int:
         return sum(1 for c in certs[:seg] if c.is_update)
@@ -494,6 +551,32 @@ def certify_stack(certs: Sequence[BlockCertificate], dtype: object, *, dt: float
     return StackCertificate(certs, name, M, float(dt), float(r0), float(lip_g), scan.radii, scan.log_factors,
                             updates_before(fwd_seg), updates_before(bwd_seg), updates_before(cert_seg), failure,
                             head, loss_grad, scan.output_bound)
+
+
+def _head_unknown(head: BlockCertificate | None) -> str | None:
+    """Why the head's bounds are not known (exponents or peak not derived), or ``None``."""
+    if head is None:
+        return None
+    if head.q is None or head.sigma is None:
+        missing = "q and sigma" if head.q is None and head.sigma is None else ("q" if head.q is None else "sigma")
+        culprit = f", culprit: {head.culprit}" if head.culprit else ""
+        return f"{head.exponents}{culprit} has {missing} not derived: its output bound and Lip(G) are unknown"
+    if head.peak is not None and not head.peak.derived:
+        return f"its intermediates are not bounded: {head.peak.what or 'peak not derived'}"
+    return None
+
+
+def _unbounded_failure(cert: BlockCertificate, k: int) -> Failure:
+    """Segment ``k`` states an :meth:`~Peak.unbounded` peak: the failure names the value it does not bound."""
+    assert cert.peak is not None
+    what = {"update": "update", "map": "map", "block": "residual block"}[cert.kind]
+    reason = (f"{what} {k} ({cert.name or 'unnamed'}) with {cert.exponents} leaves a value unbounded: "
+              f"{cert.peak.what or 'peak not derived'}")
+    return Failure(k, cert.name, "unknown", reason, _BOUND_IT, cert.kind)
+
+
+_BOUND_IT = ("bound that value: a rule or an atom for the op that makes it, or a model that does not compute or "
+             "read it (the model certificate's notes say where it comes from)")
 
 
 def _head_lipschitz(head: BlockCertificate, radius: float, loss_grad: float) -> float:

@@ -116,7 +116,9 @@ def test_explain_is_a_readable_table():
     s = certify_stack(certs, "fp32")
     text = s.explain()
     assert "blocks.12.attn" in text and "NOT certified" in text and "fix:" in text
-    assert len(text.splitlines()) == 13 + 7  # header, columns, rule, rows, R_n, verdict, culprit fix, computed fixes
+    # header, columns, rule, rows, R_n, what is not checked, verdict, culprit fix, computed fixes
+    assert len(text.splitlines()) == 13 + 8
+    assert "not checked: segment(s) 0, 1, 2, 3, 4, 5, 6, 7, ... (13 in all) state no peak" in text
     assert text.splitlines()[-1].startswith("fixes (each certified again): dt <= ")
     ok = certify_stack(certs[:3], "fp32")
     assert "certified: all 3 updates" in ok.explain()

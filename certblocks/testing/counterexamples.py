@@ -112,7 +112,7 @@ def _ascend(params: List[Tensor], step: Callable[[], Tuple[Tensor, bool]], steps
     for k in range(steps + 1):
         with torch.enable_grad():
             objective, go_on = step()
-            if not go_on or k == steps:
+            if not go_on or k == steps or not objective.requires_grad:  # a constant score has nothing to ascend
                 return
             grads = torch.autograd.grad(-objective.sum(), params, allow_unused=True)
         for p, g in zip(params, grads):

@@ -3,6 +3,12 @@
 * :func:`token_norm` -- the per-token norm of each sample, and the helpers that rescale to a sphere of it;
 * :func:`random_inputs` -- random states of a given per-token norm from the direction families
   (:data:`~certblocks.testing.FAMILIES`), and the validation of shapes, radii and counts.
+
+Every norm here is taken of the vector divided by its largest ``|entry|`` and multiplied back
+(:func:`vector_norms`): a sum of squares underflows below ``~1e-154`` and overflows above ``~1e154`` in
+float64 (``~1e-19`` and ``~1e19`` in float32), and a rescaling by a norm that underflowed to zero would
+inflate a direction by the reciprocal of the clamp.  Rescaling never forms the norm of the raw vector:
+it divides by the largest entry first, so no value outside ``[|entry| / max, radius]`` appears.
 """
 
 from __future__ import annotations
@@ -16,15 +22,30 @@ from torch import Tensor
 from ._constants import FAMILIES
 
 
+def vector_norms(t: Tensor, dim: int = -1, keepdim: bool = False) -> Tensor:
+    """Euclidean norms along ``dim``, exact at every scale (no overflow or underflow of the squares).
+
+    Each vector is divided by its largest ``|entry|`` (held constant for autograd: the norm is
+    homogeneous, so the gradient is the norm's own), its norm taken, and the result multiplied back.
+    A zero vector has norm 0; a vector with an infinite entry has norm ``inf``; NaN stays NaN.
+    """
+    s = t.detach().abs().amax(dim=dim, keepdim=True)
+    finite = torch.isfinite(s) & (s > 0)
+    n = torch.linalg.vector_norm(t / torch.where(finite, s, torch.ones_like(s)), dim=dim, keepdim=True)
+    n = torch.where(finite, n * s, torch.where(torch.isinf(s), s, n))  # 0 stays 0, inf is inf, NaN propagates
+    return n if keepdim else n.squeeze(dim)
+
+
 def token_norm(x: Tensor) -> Tensor:
     """The per-token norm of each sample of a batch ``(B, ..., features)``, in float64.
 
     Returns:
-        ``(B,)``: the largest Euclidean norm of a token's feature vector (``(B, features)``: one token).
+        ``(B,)``: the largest Euclidean norm of a token's feature vector (``(B, features)``: one token), exact
+        at every scale (:func:`vector_norms`).
     """
     if not isinstance(x, Tensor) or x.dim() < 2:
         raise ValueError(f"x must be a tensor (B, ..., features), got {getattr(x, 'shape', type(x).__name__)}")
-    return _tokens(x.to(torch.float64)).norm(dim=-1).amax(dim=-1)
+    return vector_norms(_tokens(x.to(torch.float64)), dim=-1).amax(dim=-1)
 
 
 def _tokens(x: Tensor) -> Tensor:
@@ -37,13 +58,28 @@ def _per_sample(s: Tensor, like: Tensor) -> Tensor:
 
 
 def _on_sphere(z: Tensor, radius: float) -> Tensor:
-    """``z`` rescaled sample by sample to per-token norm ``radius``."""
-    return z * _per_sample(radius / token_norm(z).clamp_min(1e-300), z)
+    """``z`` rescaled sample by sample to per-token norm ``radius`` (a zero sample: every entry equal).
+
+    The sample is divided by its largest ``|entry|`` first (held constant for autograd: the result does not
+    depend on it), so that its per-token norm lies in ``[1, sqrt(features)]`` and the factor ``radius / norm``
+    neither underflows nor overflows.
+    """
+    s = z.detach().abs().flatten(1).amax(dim=1)
+    zero = _per_sample(~(s > 0), z).bool()  # a NaN sample stays NaN
+    u = torch.where(zero, torch.ones_like(z), z) / _per_sample(torch.where(s > 0, s, torch.ones_like(s)), z)
+    n = _tokens(u.to(torch.float64)).norm(dim=-1).amax(dim=-1)  # in [1, sqrt(features)]: no rounding to 0 or inf
+    return u * _per_sample(radius / n, u)
 
 
 def _unit_tokens(w: Tensor) -> Tensor:
-    """Every token scaled to norm 1: an extreme point of the per-token unit ball."""
-    return w / w.norm(dim=-1, keepdim=True).clamp_min(1e-300)
+    """Every token scaled to norm 1, at any scale: an extreme point of the per-token unit ball (a zero token
+    stays zero).  Each token is divided by its largest ``|entry|`` first (held constant for autograd), so its
+    norm lies in ``[1, sqrt(features)]``."""
+    s = w.detach().abs().amax(dim=-1, keepdim=True)
+    ok = (s > 0) & torch.isfinite(s)
+    u = w / torch.where(ok, s, torch.ones_like(s))
+    n = torch.linalg.vector_norm(u, dim=-1, keepdim=True)
+    return u / torch.where(ok, n, torch.ones_like(n))
 
 
 def random_inputs(shape: Sequence[int], radius: float, count: int, *, generator: Optional[torch.Generator] = None,

@@ -13,14 +13,15 @@ import torch
 from torch import Tensor
 
 from ._constants import Velocity
-from .inputs import _check_count, _per_sample, _tokens, _unit_tokens, token_norm
+from .inputs import _check_count, _per_sample, _tokens, _unit_tokens, token_norm, vector_norms
 
 
 def _jvp(f: Velocity, x: Tensor, v: Tensor, mode: str) -> Tensor:
-    """``J(x) v`` in float64: forward-mode AD, or central differences with a step relative to ``||x||``."""
+    """``J(x) v`` in float64: forward-mode AD, or central differences with a step relative to ``||x||`` (at least
+    the square root of the dtype's smallest normal number, so that the differences stay normal numbers)."""
     if mode == "forward":
         return torch.func.jvp(f, (x,), (v,))[1].to(torch.float64)
-    h = 1e-6 * token_norm(x).clamp_min(1e-3)
+    h = 1e-6 * token_norm(x).clamp_min(math.sqrt(torch.finfo(x.dtype).tiny) if x.is_floating_point() else 1e-3)
     diff = f(x + _per_sample(h, x) * v).to(torch.float64) - f(x - _per_sample(h, x) * v).to(torch.float64)
     return diff / _per_sample(2 * h, diff)
 
@@ -64,7 +65,8 @@ def _jacobian_lower(f: Velocity, x: Tensor, iters: int, gen: torch.Generator, mo
         cot = torch.zeros(B * T, T, d_out, dtype=out.dtype, device=x.device)
         cot[rows, tok] = u_out
         g = _tokens(torch.autograd.grad(out, X, cot.reshape(out.shape), retain_graph=True)[0].to(torch.float64))
-        score = g.norm(dim=-1).sum(-1) / u_out.to(torch.float64).norm(dim=-1).clamp_min(1e-300)
+        un = vector_norms(u_out.to(torch.float64), dim=-1)
+        score = vector_norms(g, dim=-1).sum(-1) / torch.where(un > 0, un, torch.ones_like(un))
         w = _unit_tokens(g).reshape(X.shape).to(x.dtype)
         better = score > best
         best, best_w[better] = torch.where(better, score, best), w[better]
@@ -72,13 +74,13 @@ def _jacobian_lower(f: Velocity, x: Tensor, iters: int, gen: torch.Generator, mo
             break
         with torch.no_grad():
             jw = _tokens(_jvp(f, X.detach(), w, mode))[rows, tok]
-        jn = jw.norm(dim=-1)
+        jn = vector_norms(jw, dim=-1)
         if mode == "forward":
             better = jn > best
             best, best_w[better] = torch.where(better, jn, best), w[better]
         fresh = torch.randn(B * T, d_out, generator=gen, dtype=torch.float64).to(x.device)
         u = torch.where(((jn > 0) & torch.isfinite(jn))[:, None], jw, fresh)
-        u = u / u.norm(dim=-1, keepdim=True)
+        u = _unit_tokens(u)
     best = best.reshape(B, T)
     idx = best.argmax(dim=1)
     return best.gather(1, idx[:, None])[:, 0], best_w.reshape(B, T, *x.shape[1:])[torch.arange(B), idx].detach()

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from ..certificate import StackCertificate
 from ._constants import DEFAULT_RTOL, FAMILIES
 from .counterexamples import _ascend
-from .inputs import _check_count, _check_radius, _on_sphere, random_inputs
+from .inputs import _check_count, _check_radius, _on_sphere, random_inputs, vector_norms
 from .record import _Recorder
 from .results import CheckResult, ModelSoundnessReport
 
@@ -57,13 +57,13 @@ Score = Tuple[Tensor, float, float, str]
 def _row_norm(t: Tensor) -> Tensor:
     """The per-token norm of one whole tensor: the largest Euclidean norm along the last dimension."""
     t = t.to(torch.float64)
-    return t.reshape(-1, t.shape[-1]).norm(dim=-1).amax() if t.dim() else t.abs()
+    return vector_norms(t.reshape(-1, t.shape[-1]), dim=-1).amax() if t.dim() else t.abs()
 
 
 def _dual_norm(t: Tensor) -> Tensor:
     """The dual of the per-token norm: the sum over rows of the Euclidean norm along the last dimension."""
     t = t.to(torch.float64)
-    return t.reshape(-1, t.shape[-1]).norm(dim=-1).sum() if t.dim() else t.abs()
+    return vector_norms(t.reshape(-1, t.shape[-1]), dim=-1).sum() if t.dim() else t.abs()
 
 
 def _largest(t: Tensor) -> Tensor:
@@ -267,8 +267,7 @@ class _Search:
                 if "peak" in checks:
                     items = [(peaks[n], bound, f"graph node {n} of {label}") for names, bound, label in self.peaks
                              for n in names if n in peaks]
-                    out["peak"] = self.worst_boundary(items) if items else (
-                        torch.zeros((), dtype=torch.float64), 0.0, 0.0, "no node")
+                    out["peak"] = self.worst_boundary(items)
                 if "state" in checks:
                     out["state"] = self.worst_boundary(
                         [(_row_norm(seen[b.node]), b.state, b.label) for b in self.boundaries])
@@ -285,7 +284,10 @@ class _Search:
 
     @staticmethod
     def worst_boundary(items: Sequence[Tuple[Tensor, float, str]]) -> Score:
-        """The item with the largest ratio value / bound."""
+        """The item with the largest ratio value / bound (a zero score when there is none: a chain of one segment has
+        no inner boundary)."""
+        if not items:
+            return torch.zeros((), dtype=torch.float64), 0.0, 0.0, "no boundary"
         ratios = [_ratio(v, b) for v, b, _ in items]
         k = max(range(len(items)), key=lambda i: float(ratios[i].detach()))
         return ratios[k], float(items[k][0].detach()), items[k][1], items[k][2]
@@ -410,14 +412,17 @@ def _boundaries(model_certificate: Any, st: StackCertificate, integer: bool) -> 
 
 
 def _segment_peaks(model_certificate: Any, st: StackCertificate) -> List[Tuple[List[str], float, str]]:
-    """Each segment's graph nodes (its per-node table, its input left out) and its peak at its input radius."""
+    """Each segment's graph nodes (its per-node table, and those of the model outputs computed from its input, its
+    input left out) and its peak at its input radius."""
     segs = ([model_certificate.stem] if model_certificate.stem is not None else []) + list(model_certificate.segments)
     pairs = [(segs[k], st.updates[k].peak_bound(float(st.radii[k])), f"segment {k} ({segs[k].name})")
              for k in range(len(segs))]
     if model_certificate.head is not None and st.head is not None:
         pairs.append((model_certificate.head, st.head.peak_bound(float(st.radii[-1])),
                       f"the head ({model_certificate.head.name})"))
-    return [([r.node for r in tc.nodes if r.node != tc.input_node], float(bound), label)
+    outputs = list(getattr(model_certificate, "outputs", ()))
+    return [([r.node for t in [tc] + [o for o in outputs if o.input_node == tc.input_node] for r in t.nodes
+              if r.node != tc.input_node], float(bound), label)
             for tc, bound, label in pairs if bound is not None]
 
 

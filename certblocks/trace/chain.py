@@ -17,11 +17,19 @@ A segment that reads a node of the stream other than its input (parallel branche
 until it is a function of its input; merging never drops a dependency, so every segment's bound
 holds for every input.  Inputs that are not on the stream (an attention mask given as a second
 argument) are read at their example value, and the chain says so in its notes.
+
+Unknown is never zero (THEORY.md section 6).  Every output of the model is in the chain: the one the head
+ends at, the stream's states and the values inside a segment are bounded by the segments; any other output
+(a second head, a router's logits, ``1e30 * x``) is an ``"output"`` segment from the last stream node it is
+a function of, whose bound the :class:`~certblocks.trace.report.ModelCertificate` folds into that segment's
+peak.  What the chain cannot bound -- an integer value computed from the input and read by a later segment
+at its example value, a head that reads more than the last state, an output not certified -- is a note of
+type :class:`~certblocks.trace.report.Unbounded`: the stack certificate is not certified while it stands.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -29,8 +37,9 @@ from torch import nn
 
 from .capture import CapturedGraph
 from .nodes import op_name, strip_casts
+from .report import TraceCertificate, Unbounded
 
-__all__ = ["Segment", "Chain", "model_chain", "segment_name"]
+__all__ = ["Segment", "Chain", "model_chain", "segment_name", "certify_outputs"]
 
 Update = Tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node]
 
@@ -40,7 +49,8 @@ class Segment:
     """One segment of a model's chain.
 
     Attributes:
-        kind: ``"stem"``, ``"update"``, ``"map"``, ``"block"`` or ``"head"``.
+        kind: ``"stem"``, ``"update"``, ``"map"``, ``"block"`` or ``"head"``; ``"output"`` for an output of the model
+            other than the head's, from the stream node it is a function of (not a link of the chain).
         start: the segment's input node.
         end: its output node (for an update: the add node ``x + f``).
         velocity: an update's velocity output ``f`` (``None`` for the other kinds).
@@ -62,7 +72,10 @@ class Chain:
         output: the model output node it ends at.
         integer_input: the input holds integers (token ids): the stem's bound does not depend on it and
             no gradient flows into it.
-        notes: the inputs read at their example value, and anything else the cut assumed.
+        notes: the inputs read at their example value, and anything else the cut assumed; an
+            :class:`~certblocks.trace.report.Unbounded` note names a value the chain does not bound.
+        outputs: the model's other outputs that the segments do not bound, each an ``"output"`` segment from
+            the start of the segment (or head) whose input it is a function of.
     """
 
     segments: List[Segment]
@@ -70,6 +83,7 @@ class Chain:
     output: torch.fx.Node
     integer_input: bool
     notes: List[str]
+    outputs: List[Segment] = field(default_factory=list)
 
 
 def _tensor(g: CapturedGraph, n: torch.fx.Node) -> Optional[torch.Tensor]:
@@ -146,22 +160,73 @@ def model_chain(g: CapturedGraph, updates: Sequence[Update]) -> Optional[Chain]:
         if segs[-1].kind != "head":
             return Chain([], x_in, out, False, [f"{exc}: only the residual updates are certified"])
         try:  # a head that reads the input's statistics (instance normalization undone): certify without it
+            notes = []
             segs = _merge_open(g, segs[:-1], dep, stream, notes)
         except ChainBroken as exc2:
             return Chain([], x_in, out, False, [f"{exc2}: only the residual updates are certified"])
-        notes.append(f"{exc}: the head is not certified (it is not a function of the last state alone); "
-                     "stack() takes Lip(G) from its lip_g argument and bounds the last state, not the output")
-    others = [n for n in g.user_inputs if n is not x_in and any(
-        g.is_ancestor(n, s.end) for s in segs)]
+        notes.append(Unbounded(f"{exc}: the head is not certified (it is not a function of the last state alone): "
+                               "the output and Lip(G) are not bounded", out.name, None))
+    extra = _other_outputs(g, segs, out, dep, stream, notes)
+    others = [n for n in g.user_inputs if n is not x_in and any(g.is_ancestor(n, s.end) for s in segs + extra)]
     for n in others:
         notes.append(f"input {n.name!r} does not lie on the chain: its example value is used (the certificate "
                      "holds for inputs that share it)")
     for s in segs:  # a stem that adds two branches of the input is a residual block reading the input
         if s.kind in ("map", "stem") and _adds_branches(g, s):
             s.kind = "block"
-    t = _tensor(g, x_in)
-    integer = t is not None and not (t.is_floating_point() or t.is_complex())
-    return Chain(segs, x_in, out, integer, notes)
+    return Chain(segs, x_in, out, not _floating(_tensor(g, x_in)), notes, extra)
+
+
+def _floating(t: Optional[torch.Tensor]) -> bool:
+    return t is not None and (t.is_floating_point() or t.is_complex())
+
+
+def _other_outputs(g: CapturedGraph, segs: List[Segment], out: torch.fx.Node, dep: Set[str], stream: Set[str],
+                   notes: List[str]) -> List[Segment]:
+    """The model's outputs other than ``out`` that no segment bounds, each as an ``"output"`` segment from the last
+    segment start it is a function of; an :class:`Unbounded` note for each (lifted once the output is certified).
+
+    An output is bounded by the chain when it is a stream state (a segment boundary: its bound ``R_k``) or a value a
+    segment computes (in the segment's graph: its peak).  Integer outputs cannot overflow a floating dtype; outputs
+    that do not depend on the input are constants.  ``out`` is the head's (a head left out of the chain has its own
+    note).
+    """
+    starts = [s.start for s in segs]
+    bounded: Set[str] = {s.name for s in starts} | {segs[-1].end.name, out.name}
+    for s in segs:
+        bounded |= g.between(s.start, s.velocity if s.kind == "update" and s.velocity is not None else s.end)
+    found: List[Segment] = []
+    for k, o in enumerate(g.outputs):
+        t = _tensor(g, o)
+        if o.name not in dep or not _floating(t) or not t.numel() or strip_casts(o).name in bounded or any(
+                o is f.end for f in found):
+            continue
+        start = next((s for s in reversed(starts) if g.is_ancestor(s, o) and not [
+            e for e in _external_inputs(g, s, o, dep) if e.name in stream and _floating(_tensor(g, e))]), None)
+        if start is None:  # not computed from the chain's input: another input's example value
+            notes.append(f"output {k} ({o.name}) does not depend on the chain's input: its bound is its example value")
+            continue
+        for e in _external_inputs(g, start, o, dep):
+            if e.name in stream and not _floating(_tensor(g, e)):
+                notes.append(Unbounded(f"output {k} ({o.name}) reads {e.name!r}, computed from the input's values, at "
+                                       "its example value", e.name, start.name))
+        found.append(Segment("output", start, o))
+        notes.append(Unbounded(f"output {k} ({o.name}) of the model is not bounded by the chain (it is not the head's "
+                               "output, a state or a value of a segment) and was not certified", o.name, start.name))
+    return found
+
+
+def certify_outputs(g: CapturedGraph, chain: Chain) -> List[TraceCertificate]:
+    """Each of ``chain.outputs`` certified as a map from its segment's input, for
+    :attr:`~certblocks.trace.report.ModelCertificate.outputs` (which lifts its :class:`Unbounded` note)."""
+    from .api import certify_velocity  # api imports this module
+
+    out: List[TraceCertificate] = []
+    for s in chain.outputs:
+        tc = certify_velocity(g, s.start, s.end, f"output {s.end.name}")
+        tc.certificate = replace(tc.certificate, kind="map")
+        out.append(tc)
+    return out
 
 
 class ChainBroken(Exception):
@@ -172,8 +237,8 @@ def _merge_open(g: CapturedGraph, segs: List[Segment], dep: Set[str], stream: Se
                 notes: List[str]) -> List[Segment]:
     """Merge each segment that reads a floating-point stream node computed from the input of the segment in
     front of it (parallel branches ``x + f(x) + g(x)``) with that segment.  Integer and boolean nodes
-    computed from the input (a padding mask from token ids) are read at their example value: ``notes`` names
-    them.
+    computed from the input (a padding mask from token ids) would be read at their example value: an
+    :class:`Unbounded` note names each (the certificate is not certified).
 
     Raises:
         ChainBroken: a segment reads a value computed further back (a head that undoes an instance
@@ -185,14 +250,14 @@ def _merge_open(g: CapturedGraph, segs: List[Segment], dep: Set[str], stream: Se
         while True:
             end_nodes = [cur.velocity] if cur.kind == "update" and cur.velocity is not None else [cur.end]
             ext = [e for n in end_nodes for e in _external_inputs(g, cur.start, n, dep) if e.name in stream]
-            discrete = [e for e in ext if (t := _tensor(g, e)) is None or not (t.is_floating_point() or t.is_complex())]
-            for e in discrete:
-                note = (f"node {e.name!r} is computed from the input's integer values and read at its example value "
-                        "(the certificate holds for inputs that share it)")
-                if note not in notes:
-                    notes.append(note)
+            discrete = [e for e in ext if not _floating(_tensor(g, e))]
             ext = [e for e in ext if e not in discrete]
             if not ext:
+                for e in discrete:  # the segment's interpreter reads it as a constant: not bounded over its range
+                    notes.append(Unbounded(
+                        f"{cur.kind} {segment_name(g, cur)!r} reads {e.name!r}, an integer or boolean value computed "
+                        "from the input, at its example value (it is not bounded over its range)", e.name,
+                        cur.start.name))
                 break
             prev = out[-1] if out else None
             if prev is None or not all(g.is_ancestor(prev.start, e) for e in ext):

@@ -6,15 +6,15 @@ from __future__ import annotations
 import json
 import math
 import sys
-import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
-from ..certificate import BlockCertificate, StackCertificate, certify_stack, cross_entropy_gradient, json_number
+from ..bounds.poly import fold_peak
+from ..certificate import BlockCertificate, Peak, StackCertificate, certify_stack, cross_entropy_gradient, json_number
 from ..exponents import Exponents
 from .values import AValue
 
-__all__ = ["NodeRow", "TraceCertificate", "ModelCertificate", "NOT_DERIVED", "jsonable"]
+__all__ = ["NodeRow", "TraceCertificate", "ModelCertificate", "Unbounded", "NOT_DERIVED", "jsonable"]
 
 #: Coefficient reported when no finite bound was derived (the certificate stays sound: it is huge).
 NOT_DERIVED = sys.float_info.max
@@ -22,6 +22,29 @@ NOT_DERIVED = sys.float_info.max
 
 def _fmt(x: Optional[float]) -> str:
     return "?" if x is None else f"{x:g}"
+
+
+class Unbounded(str):
+    """A note naming a value of the model that its chain does not bound (THEORY.md section 6: unknown is never zero).
+
+    It reads as the note's text; :meth:`ModelCertificate.stack` is not certified while it stands: the segment it
+    belongs to gets an unbounded peak (:meth:`~certblocks.certificate.Peak.unbounded`) that names it.
+
+    Attributes:
+        place: the graph node that is not bounded (an output of the model, a value read at its example).
+        segment: the input node of the segment that computes or reads it (``None``: the head).
+    """
+
+    place: str
+    segment: Optional[str]
+
+    def __new__(cls, text: str, place: str = "", segment: Optional[str] = None) -> Unbounded:
+        note = super().__new__(cls, text)
+        note.place, note.segment = place, segment
+        return note
+
+    def __reduce__(self) -> Any:
+        return (Unbounded, (str(self), self.place, self.segment))
 
 
 @dataclass(frozen=True)
@@ -37,10 +60,12 @@ class NodeRow:
     growth: str
     jacobian: str
     note: str = ""
+    floating: bool = True
 
     def to_dict(self) -> Dict[str, Any]:
         return {"node": self.node, "op": self.op, "module": self.module, "q": self.q, "sigma": self.sigma,
-                "rule": self.rule, "growth": self.growth, "jacobian": self.jacobian, "note": self.note}
+                "rule": self.rule, "growth": self.growth, "jacobian": self.jacobian, "note": self.note,
+                "floating": self.floating}
 
 
 @dataclass
@@ -138,9 +163,13 @@ class ModelCertificate:
             state).
         integer_input: the model input holds integers (token ids): the stem bounds ``R_0`` from its tables
             (``r0`` is not needed) and no gradient flows into the input.
-        notes: what the chain assumed (inputs read at their example value) or why there is no chain.
+        notes: what the chain assumed (inputs read at their example value) or why there is no chain; an
+            :class:`Unbounded` note names a value the chain does not bound (the stack is then not certified).
         chained: True when the certificate covers the whole path from the model input to its output
-            (False: only the updates, listed in ``updates``, are certified).
+            (False: only the updates, listed in ``updates``, are certified; with notes, :meth:`stack` is not
+            certified).
+        outputs: the model's other outputs (a second head, auxiliary logits), each certified as a map from the input
+            of the segment (or head) it is computed from; :meth:`chain` folds each into that segment's peak.
     """
 
     updates: List[TraceCertificate]
@@ -152,6 +181,7 @@ class ModelCertificate:
     integer_input: bool = False
     notes: List[str] = field(default_factory=list)
     chained: bool = False
+    outputs: List[TraceCertificate] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.updates)
@@ -185,17 +215,59 @@ class ModelCertificate:
         """The certificates :meth:`stack` chains: the stem (as a map), then the segments.
 
         With an integer input the stem's Jacobian is not used (no gradient flows into token ids): its
-        certificate is given ``sigma = 0``, ``L = 1`` so that it passes the costate on unchanged.
+        certificate is given ``sigma = 0``, ``L = 1`` so that it passes the costate on unchanged; its growth
+        and peak must not depend on the ids' values (token ids used as numbers are not bounded by ``r0``).
+
+        Each segment's peak covers the model outputs computed from its input (:attr:`outputs`).  A segment
+        whose values are not all bounded -- an :class:`Unbounded` note, no peak stated, token ids used as
+        numbers -- gets an unbounded peak that names the value: the stack is not certified (unknown is never
+        zero).  A model that is not one chain (``notes`` say why) is refused at its first update.
         """
         if not self.chained:
-            return self.certificates
-        out: List[BlockCertificate] = []
-        if self.stem is not None:
-            st = self.stem.certificate
-            if self.integer_input and st.q is not None:
-                st = replace(st, sigma=0.0, l1=0.0, l0=1.0)
-            out.append(st)
-        return out + [s.certificate for s in self.segments]
+            certs = [_stated(u.certificate) for u in self.updates]
+            if self.notes and certs:
+                certs[0] = _refused(certs[0], f"the model is not one chain ({self.notes[0]}): the stem, the maps "
+                                    "between the updates and the head are not certified")
+            return certs
+        segs = ([self.stem] if self.stem is not None else []) + list(self.segments)
+        out = [self._bounded(tc) for tc in segs]
+        if self.integer_input and out:
+            out[0] = _token_ids(segs[0], out[0])
+        return out
+
+    def head_certificate(self) -> Optional[BlockCertificate]:
+        """The head as the map :meth:`stack` certifies (``None``: the output is the last state): its peak covers the
+        outputs computed from the last state; a head left out of the chain (an :class:`Unbounded` note) is a map of
+        unknown exponents that names why."""
+        why = [n for n in self.notes if isinstance(n, Unbounded) and n.segment is None]
+        if why and self.chained:
+            name = self.head.name if self.head is not None else "head"
+            return BlockCertificate(None, None, name=name, kind="map", culprit=str(why[0]),
+                                    peak=Peak.unbounded(str(why[0])))
+        if not self.chained or self.head is None:
+            return None
+        return replace(self._bounded(self.head), kind="map")
+
+    def unbounded(self) -> List[Unbounded]:
+        """The :class:`Unbounded` notes that stand: the model's (less the outputs certified in :attr:`outputs`), then
+        those of the segments' certificates."""
+        covered = {o.output_node for o in self.outputs}
+        own = [n for n in self.notes if isinstance(n, Unbounded) and n.place not in covered]
+        return own + [n for tc in self.all_segments() for n in _unbounded_notes(tc)]
+
+    def _bounded(self, tc: TraceCertificate) -> BlockCertificate:
+        """``tc``'s certificate with the outputs computed from its input folded into its peak, refused when a value of
+        it is not bounded (a note of the model's about its input node, or one of its own)."""
+        cert = _stated(tc.certificate)
+        covered = {o.output_node for o in self.outputs}
+        why = [n for n in self.notes if isinstance(n, Unbounded) and n.segment == tc.input_node
+               and n.place not in covered] + _unbounded_notes(tc)
+        if why:
+            return _refused(cert, str(why[0]))
+        for o in self.outputs:
+            if o.input_node == tc.input_node:
+                cert = _with_output(cert, o)
+        return cert
 
     def stack(self, dtype: object, *, r0: float = 1.0, dt: float = 1.0, lip_g: Optional[float] = None,
               loss: Union[None, str, float] = None, target_radius: float = 0.0) -> StackCertificate:
@@ -207,7 +279,9 @@ class ModelCertificate:
                 over the other indices); not needed for token ids (an embedding's bound does not depend on
                 it).  When the model is not chained, the bound on the first update's input.
             dt: residual step, scaling the velocities of the identity-shortcut updates.
-            lip_g: ``Lip(G)`` for a model without a head (its output is the last state); default 1.
+            lip_g: ``Lip(G)`` for a model without a head (its output is the last state, ``G`` the identity);
+                default 1.  Not used when the model has a head, certified or not (a head left out of the chain is
+                not certified: its ``Lip(G)`` is not taken from this argument).
             loss: ``None`` (the costate at the output has norm 1), ``"cross_entropy"`` (mean reduction:
                 ``sqrt(2)``), ``"mse"`` (mean reduction: ``2 (||y|| + target_radius)``, with ``||y||`` the
                 output bound) or a number bounding the loss gradient in the output.
@@ -215,14 +289,12 @@ class ModelCertificate:
 
         Returns:
             The :class:`~certblocks.certificate.StackCertificate` of the chain: stem, maps and updates in
-            order, the head's ``Lip(G)`` times the loss gradient as the backward budget's ``Lip(G)``.
+            order, the head's ``Lip(G)`` times the loss gradient as the backward budget's ``Lip(G)``.  It is
+            not certified when a value of the model is not bounded (:meth:`chain`, :meth:`unbounded`): the
+            failure names it.  The gradient bound is that of a loss of the first output; the other outputs
+            are bounded forward (their values stay below ``M``).
         """
-        if not self.chained and self.notes:
-            warnings.warn(f"{self.model}: {self.notes[0]}; the stack certificate covers the updates only",
-                          UserWarning, stacklevel=2)
-        head = None
-        if self.chained and self.head is not None:
-            head = replace(self.head.certificate, kind="map")
+        head = self.head_certificate()
         grad = _loss_gradient(loss, target_radius)
         if grad is None:  # MSE: 2 (||y|| + ||t||), with ||y|| bounded by the output bound
             first = self._certify(dtype, r0, dt, lip_g, head, 1.0)
@@ -251,7 +323,10 @@ class ModelCertificate:
             out.append(f"{k:3d}  {kind:6s}  {u.name.ljust(w)}  {str(u.exponents):22s}  {coef}"
                        + (f"  culprit: {u.culprit}" if u.culprit and (u.q is None or u.q > 1 or (u.sigma or 0) > 0)
                           else ""))
-        out += [f"note: {n}" for n in self.notes]
+        out += [f"output {o.output_node}: bounded from the input of segment {o.input_node}: {o.certificate}"
+                for o in self.outputs]
+        standing = self.unbounded()
+        out += [f"{'NOT BOUNDED' if any(n is u for u in standing) else 'note'}: {n}" for n in self.notes]
         return "\n".join(out)
 
     def to_dict(self) -> Dict[str, Any]:
@@ -260,6 +335,8 @@ class ModelCertificate:
                 "stem": None if self.stem is None else self.stem.to_dict(),
                 "segments": [u.to_dict() for u in self.segments],
                 "head": None if self.head is None else self.head.to_dict(),
+                "outputs": [o.to_dict() for o in self.outputs],
+                "unbounded": [{"note": str(n), "place": n.place, "segment": n.segment} for n in self.unbounded()],
                 "updates": [u.to_dict() for u in self.updates]}
 
     def to_json(self, **kwargs: Any) -> str:
@@ -267,6 +344,60 @@ class ModelCertificate:
 
     def __str__(self) -> str:
         return self.explain()
+
+
+def _unbounded_notes(tc: TraceCertificate) -> List[Unbounded]:
+    """The :class:`Unbounded` notes a segment's certificate carries (a rule that read a value at its example)."""
+    return [n for n in getattr(tc, "notes", ()) if isinstance(n, Unbounded)]
+
+
+def _stated(cert: BlockCertificate) -> BlockCertificate:
+    """``cert``, its peak unbounded when it states none (a certified block's own certificate without one): a chain
+    that certifies a whole model bounds every intermediate."""
+    if cert.peak is not None:
+        return cert
+    return replace(cert, peak=Peak.unbounded(f"{cert.name or 'this segment'} states no bound on its intermediates"))
+
+
+def _refused(cert: BlockCertificate, why: str) -> BlockCertificate:
+    """``cert`` with an unbounded peak naming ``why``: the chain is not certified from this segment on."""
+    return replace(cert, peak=Peak.unbounded(why))
+
+
+def _with_output(cert: BlockCertificate, out: TraceCertificate) -> BlockCertificate:
+    """``cert``'s peak raised over a model output computed from the same input: the output's norm bound and its own
+    peak, both functions of that input's radius (THEORY.md section 6)."""
+    oc = out.certificate
+    label = f"output {out.output_node} of the model"
+    if cert.peak is None or not cert.peak.derived:
+        return cert
+    if oc.q is None or oc.peak is None or not oc.peak.derived:
+        why = oc.peak.what if oc.peak is not None and not oc.peak.derived else f"exponents {oc.exponents}"
+        return _refused(cert, f"{label} is not bounded: {why}")
+    polys = [{cert.peak.q: cert.peak.c, 0.0: cert.peak.b}, {oc.q: oc.c, 0.0: oc.b},
+             {oc.peak.q: oc.peak.c, 0.0: oc.peak.b}]
+    mine = (cert.peak.q, cert.peak.c + cert.peak.b) >= max((oc.q, oc.c + oc.b), (oc.peak.q, oc.peak.c + oc.peak.b))
+    try:
+        return replace(cert, peak=fold_peak(polys, cert.peak.what if mine else f"{label} ({oc.peak.what})"))
+    except ValueError as exc:
+        return _refused(cert, f"{label}: its bound does not fold into the segment's peak ({exc})")
+
+
+def _token_ids(tc: TraceCertificate, cert: BlockCertificate) -> BlockCertificate:
+    """The first segment of a model whose input is token ids: no gradient flows into them (``sigma = 0``, ``L = 1``);
+    refused when its growth or peak grows with the input (the ids used as numbers: ``r0`` does not bound them)."""
+    if cert.q is None:
+        return cert
+    cert = replace(cert, sigma=0.0, l1=0.0, l0=1.0)
+    grows = cert.q > 0 and cert.c > 0
+    peak_grows = cert.peak is not None and cert.peak.derived and cert.peak.q > 0 and cert.peak.c > 0
+    if not (grows or peak_grows):
+        return cert
+    node = next((r.node for r in tc.nodes if r.node != tc.input_node and r.floating and r.q is not None and r.q > 0),
+                "")
+    at = f" (node {node!r} is the first floating value that grows with them)" if node else ""
+    return _refused(cert, f"token ids are used as numbers in {tc.name or 'the stem'}: its "
+                          f"{'growth' if grows else 'peak'} grows with the ids' values{at}, which r0 does not bound")
 
 
 def _loss_gradient(loss: Union[None, str, float], target_radius: float) -> Optional[float]:
@@ -298,6 +429,8 @@ def jsonable(x: Any) -> Any:
 
 
 def node_row(node: Any, av: AValue, module: str, op: str) -> NodeRow:
+    dtype = getattr(node.meta.get("val"), "dtype", None) if hasattr(node, "meta") else None
+    floating = dtype is None or dtype.is_floating_point or dtype.is_complex
     return NodeRow(node.name, op, module, av.exps.q, av.exps.sigma, av.rule,
                    repr(av.growth) if av.growth is not None else "?",
-                   repr(av.jacobian) if av.jacobian is not None else "?", av.bad)
+                   repr(av.jacobian) if av.jacobian is not None else "?", av.bad, floating)

@@ -103,7 +103,12 @@ def test_a_head_reading_the_input_statistics_is_not_certified_silently():
     rep = certify(InstanceNormHead().eval(), torch.randn(2, 4, 8))
     assert rep.head is None and rep.chained
     assert any("head" in n and "not certified" in n for n in rep.notes), rep.notes
-    assert "note:" in rep.explain()
+    assert "NOT BOUNDED:" in rep.explain()
+    for lip_g in (None, 1.0):  # a Lip(G) given by hand does not stand for the head left out of the chain
+        st = rep.stack("fp32", r0=1.0, lip_g=lip_g)
+        assert not st.ok and st.first_failure.segment == "head" and st.first_failure.kind == "unknown", st.explain()
+        assert "not a function of the last state alone" in st.first_failure.reason
+        assert st.backward_depth == 0 and st.forward_depth == 2  # the updates' forward bounds stand
 
 
 def test_a_traced_certified_stack_gives_build_stacks_verdict():
