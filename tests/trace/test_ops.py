@@ -91,17 +91,25 @@ def test_cpu_flash_attention_form():
 
 
 class Powers(nn.Module):
-    def __init__(self, p: float) -> None:
+    def __init__(self, p: float, signed: bool = False) -> None:
         super().__init__()
-        self.p = p
+        self.p, self.signed = p, signed
 
     def forward(self, x):
-        return x.pow(self.p) if self.p != 0.5 else torch.sqrt(x.abs())
+        if self.p == 0.5:
+            return torch.sqrt(x.abs())
+        return x.pow(self.p) if self.p.is_integer() or self.signed else x.abs().pow(self.p)
 
 
-@pytest.mark.parametrize("p, expected", [(2, (2, 1)), (3, (3, 2)), (1.5, (1.5, 0.5)), (0.5, (None, None))])
+@pytest.mark.parametrize("p, expected", [(2.0, (2, 1)), (3.0, (3, 2)), (1.5, (1.5, 0.5)), (0.5, (None, None))])
 def test_power(p, expected):
     assert certify(Powers(p), torch.randn(2, 3, D)).exponents == Exponents(*expected)
+
+
+def test_fractional_power_of_a_signed_tensor_is_refused():
+    """``x ** 1.5`` is NaN for negative entries: no bound holds there, the node is refused with the reason."""
+    c = certify(Powers(1.5, signed=True), torch.randn(2, 3, D))
+    assert c.q is None and "may be negative" in c.culprit
 
 
 class DivByInput(nn.Module):
