@@ -137,8 +137,9 @@ class VelocityInterpreter:
             return n
         av = self.values.get(n.name)
         if (isinstance(av, AValue) and not av.const) or (av is None and self.depends_on_model_input(n)):
-            self.note(f"{n.name} ({op_name(n.target) if n.op == 'call_function' else n.op}) depends on a model input "
-                      "and is read at its example value")
+            what = f"the model input {n.name}" if n.op == "placeholder" else \
+                f"{n.name} ({op_name(n.target) if n.op == 'call_function' else n.op}), which depends on a model input,"
+            self.note(f"{what} is read at its example value")
         return self.g.env.get(n.name)
 
     def unknown_like(self, n: torch.fx.Node, rule: str, bad: str) -> Any:
@@ -243,7 +244,7 @@ class VelocityInterpreter:
         names of the nodes they hide.  A call inside a registered module atom, or of a module registered as
         one, is left to the atom."""
         hidden: Set[str] = set()
-        for call in _own.certified_calls(self.g, self.x, sub):
+        for call in _own.certified_calls(self.g, self.x, sub, self.notes):
             o = call.output.name
             if o in skip or o in self.atom_groups:
                 continue

@@ -47,8 +47,8 @@ def _written(n: torch.fx.Node, a: Args) -> Tuple[Any, Any]:
 def cast_value(it: Any, x: AValue, src: Any, n: torch.fx.Node, shape: Shape, rule: str) -> AValue:
     """``x`` (graph node ``src``) cast to the dtype of ``n``'s output and broadcast to ``shape``.
 
-    A cast to a coarser float rounds every entry to nearest, ``|fl(v)| <= (1 + u) |v|``: the row norm and the
-    entries grow by ``1 + u`` (the Jacobian is the cast's, the identity).  A cast of a float to an integer truncates
+    A cast to a coarser float rounds every entry to nearest, ``|fl(v)| <= (1 + u) |v|``: the row norm, the entries
+    and the Jacobian (its tangents are rounded alike) grow by ``1 + u``.  A cast of a float to an integer truncates
     (``|trunc(v)| <= |v|``) and jumps: sigma is not derived.  A cast to bool is 0 or 1 whatever the magnitude.
     """
     src_v, out_v = it.g.env.get(getattr(src, "name", "")), it.g.env.get(n.name)
@@ -60,9 +60,7 @@ def cast_value(it: Any, x: AValue, src: Any, n: torch.fx.Node, shape: Shape, rul
     same = tuple(x.shape) == tuple(shape)
     fac, via = (1.0, False) if same else view_factor(x.shape, shape)
     rf = rounding_factor(src_dtype, dst_dtype)
-    out = scaled(x, shape, fac * rf, entry_factor=rf, via_entries=via, rule=rule)
-    if x.jacobian is not None and rf != 1.0:
-        out.jacobian = x.jacobian.scale(fac)
+    out = scaled(x, shape, fac * rf, entry_factor=rf, via_entries=via, rule=rule)  # the cotangents round too
     if same and x.stochastic_dim is not None:  # rounded probabilities sum to at most (1 + u) times their sum
         out.stochastic_dim, out.row_sum = x.stochastic_dim, x.row_sum * rf
     if dst_dtype is not None and not (dst_dtype.is_floating_point or dst_dtype.is_complex) and \
