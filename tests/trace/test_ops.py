@@ -190,3 +190,25 @@ def test_activation_lipschitz_constants():
         (g,) = torch.autograd.grad(y.sum(), x)
         assert float(g.abs().max()) <= co["l0"], type(module).__name__
         assert float((y.detach().abs() - co["c"] * x.detach().abs()).max()) <= 1e-12, type(module).__name__
+
+
+class InstanceNormEval(nn.Module):
+    """``instance_norm`` with running statistics (eval): one affine map per channel, one output (it returned a
+    list of rows before and crashed the certificate)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.fc = nn.Linear(D, D)
+        self.register_buffer("mean", torch.randn(D))
+        self.register_buffer("var", torch.rand(D) + 0.5)
+
+    def forward(self, x):
+        return F.instance_norm(self.fc(x).transpose(1, 2), self.mean, self.var, use_input_stats=False).transpose(1, 2)
+
+
+def test_instance_norm_with_running_statistics(soundness):
+    m = InstanceNormEval().eval()
+    c = certify(m, torch.randn(1, 4, D), residual=None)
+    assert c.exponents == Exponents(1, 0) and c.coefficients_derived, c.explain()
+    soundness(m, c.certificate, (1, 4, D), "instance_norm eval")

@@ -167,3 +167,17 @@ def test_the_arguments_of_the_issue_are_read(op):
               "aten.sum": "dtype", "aten.group_norm": "weight", "aten.softplus": "threshold",
               "aten.elu": "input_scale"}[op]
     assert spec.kind(spec.accepted_overloads()[0], wanted) == "read"
+
+
+def test_a_builtin_default_only_argument_is_refused_by_name():
+    """The attention rule does not read a given dropout mask (``dropout_mask`` is default-only): a call with one
+    is refused, the argument and its node named; without one the rule may run."""
+    graph = torch.fx.Graph()
+    q, k, v, mask = (graph.placeholder(name) for name in ("q", "k", "v", "mask"))
+    op = torch.ops.aten._scaled_dot_product_attention_math.default
+    with_mask = graph.call_function(op, (q, k, v), {"dropout_mask": mask})
+    plain = graph.call_function(op, (q, k, v))
+    assert rule_spec("aten._scaled_dot_product_attention_math").kind("default", "dropout_mask") == "default-only"
+    why = check_call(with_mask)
+    assert why is not None and "argument dropout_mask=mask" in why and "differs from None" in why, why
+    assert check_call(plain) is None

@@ -146,7 +146,7 @@ def batch_norm(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape)
                  max_abs=None if entries is None else entries.scale(s) + Poly.const(sh),
                  jacobian=None if x.jacobian is None else x.jacobian.scale(s),
                  rule="affine (batch_norm in eval mode uses running statistics: an affine map, not a normalization)")
-    if name != "aten.batch_norm":
+    if isinstance(conc, (tuple, list)):
         # the saved statistics: empty in eval mode (a constant); anything else is not derived
         return [out] + [AValue.constant(c) if isinstance(c, torch.Tensor) and c.numel() == 0
                         else AValue.unknown(tuple(getattr(c, "shape", ())), "batch_norm statistics")

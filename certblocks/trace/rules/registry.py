@@ -41,6 +41,7 @@ argument without a default is refused until the rule declares it.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, Iterable, List, Mapping, Optional, Tuple, Union
@@ -88,9 +89,14 @@ def _is_tensor_type(t: Any) -> bool:
 
 def functional_overloads(op: str) -> Tuple[str, ...]:
     """The overloads of ``op`` that take a tensor, return tensors and mutate nothing (what a captured graph holds)."""
+    if op_packet(op) is None:
+        return ()  # not known to torch (yet): nothing is accepted, nothing cached
+    return _functional_overloads(op)
+
+
+@functools.cache
+def _functional_overloads(op: str) -> Tuple[str, ...]:
     packet = op_packet(op)
-    if packet is None:
-        return ()
     out = []
     for ov in packet.overloads():
         schema = getattr(packet, ov)._schema
@@ -130,10 +136,7 @@ class RuleSpec:
 
     def schema(self, overload: str) -> Any:
         """The ``torch.FunctionSchema`` of one overload (``LookupError`` when the op or overload does not exist)."""
-        packet = op_packet(self.op)
-        if packet is None or overload not in packet.overloads():
-            raise LookupError(f"{self.op}.{overload} does not exist in torch.ops")
-        return getattr(packet, overload)._schema
+        return _schema(self.op, overload)
 
     def kind(self, overload: str, argument: str) -> str:
         """How the rule treats one argument of an overload: ``"read"``, ``"shape"`` (read through the output's
@@ -175,6 +178,14 @@ class RuleSpec:
             return self.default_only[argument]
         arg = next(a for a in self.schema(overload).arguments if a.name == argument)
         return arg.default_value if arg.has_default_value() else _MISSING
+
+
+@functools.cache
+def _schema(op: str, overload: str) -> Any:
+    packet = op_packet(op)
+    if packet is None or overload not in packet.overloads():
+        raise LookupError(f"{op}.{overload} does not exist in torch.ops")
+    return getattr(packet, overload)._schema
 
 
 _RULES: Dict[str, Rule] = {}
