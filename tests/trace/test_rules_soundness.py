@@ -78,6 +78,7 @@ SOUND: Dict[str, Callable] = {
     + 0.0 * h[..., :3],
     "direct where between constants": lambda m, h: h * torch.where(h.sum(-1, keepdim=True) > 100.0, 10.0, 1.0),
     "cast to bool": lambda m, h: 100.0 * (h * 1e-3).bool().to(h.dtype) + 0.0 * h,
+    "cast to uint8": lambda m, h: h.to(torch.uint8).to(h.dtype) + 0.0 * h,
     # rounding
     "cast to bfloat16": lambda m, h: h.to(torch.bfloat16).to(h.dtype),
 }

@@ -48,7 +48,9 @@ def cast_value(it: Any, x: AValue, src: Any, n: torch.fx.Node, shape: Shape, rul
     """``x`` (graph node ``src``) cast to the dtype of ``n``'s output and broadcast to ``shape``.
 
     A cast to a coarser float rounds every entry to nearest, ``|fl(v)| <= (1 + u) |v|``: the row norm, the entries
-    and the Jacobian (its tangents are rounded alike) grow by ``1 + u``.  A cast of a float to an integer truncates
+    and the Jacobian (its tangents are rounded alike) grow by ``1 + u``.  A cast to a signed integer keeps
+    ``|out| <= |v|`` (truncation, or a value in range when ``v`` is out of it); to an unsigned one a negative value
+    wraps up to the type's largest.  A cast of a float to an integer truncates
     (``|trunc(v)| <= |v|``) and jumps: sigma is not derived.  A cast to bool is 0 or 1 whatever the magnitude.
     """
     src_v, out_v = it.g.env.get(getattr(src, "name", "")), it.g.env.get(n.name)
@@ -63,10 +65,15 @@ def cast_value(it: Any, x: AValue, src: Any, n: torch.fx.Node, shape: Shape, rul
     out = scaled(x, shape, fac * rf, entry_factor=rf, via_entries=via, rule=rule)  # the cotangents round too
     if same and x.stochastic_dim is not None:  # rounded probabilities sum to at most (1 + u) times their sum
         out.stochastic_dim, out.row_sum = x.stochastic_dim, x.row_sum * rf
-    if dst_dtype is not None and not (dst_dtype.is_floating_point or dst_dtype.is_complex) and \
-            src_dtype is not None and (src_dtype.is_floating_point or src_dtype.is_complex):
-        out.exps, out.jacobian = E.Exponents(x.exps.q, None), None
-        out.bad = "discontinuous (a cast of an input-dependent tensor to an integer dtype truncates)"
+    if dst_dtype is not None and not (dst_dtype.is_floating_point or dst_dtype.is_complex):
+        if src_dtype is not None and (src_dtype.is_floating_point or src_dtype.is_complex):
+            out.exps, out.jacobian = E.Exponents(x.exps.q, None), None
+            out.bad = "discontinuous (a cast of an input-dependent tensor to an integer dtype truncates)"
+        if not dst_dtype.is_signed and x.sign not in ("+", "0"):  # a negative value wraps around: up to the max
+            top = float(torch.iinfo(dst_dtype).max)
+            out.growth = None if out.growth is None else out.growth + Poly.const(top * sqrt_last(shape))
+            out.max_abs = None if out.max_abs is None else out.max_abs + Poly.const(top)
+            out.sign = "+"
     return out
 
 
