@@ -1,5 +1,8 @@
 """Shared test set-up.
 
+The tracer runs in strict mode (``CERTBLOCKS_STRICT_RULES=1``): a rule that raises fails the test instead of
+giving an unknown value.
+
 mamba-ssm imports its CUDA extension eagerly; on a CPU-only machine the tests put
 a stand-in module named ``selective_scan_cuda`` in ``sys.modules`` so that its
 pure-torch references (``selective_scan_ref``, ``mamba_ssm.Mamba``'s slow path)
@@ -14,6 +17,9 @@ import sys
 import types
 
 import torch
+
+# A rule that raises is a bug: the tracer re-raises instead of reporting "unknown" (certblocks.trace.interp).
+os.environ.setdefault("CERTBLOCKS_STRICT_RULES", "1")
 
 # Triton kernels run in the interpreter on a machine without a GPU (set before triton compiles anything).
 if not torch.cuda.is_available():

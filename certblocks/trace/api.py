@@ -43,7 +43,7 @@ def certify_velocity(g: CapturedGraph, x: torch.fx.Node, out: torch.fx.Node, nam
     text, node, fix = culprit(g, it, out)
     cert = BlockCertificate(res.exps.q, res.exps.sigma, c=co.c, b=co.b, l1=co.l1, l0=co.l0, name=name,
                             culprit=text, fix=fix, peak=peak(it))
-    own = own_certificate(g, x, out, name)  # one call of a certified block: its own certificate, exactly
+    own = own_certificate(g, x, out, name, it.notes)  # one call of a certified block: its own certificate, exactly
     if own is not None:
         cert, text, fix = own, own.culprit or text, own.fix or fix
     rows = []
@@ -54,7 +54,17 @@ def certify_velocity(g: CapturedGraph, x: torch.fx.Node, out: torch.fx.Node, nam
         rows.append(node_row(n, av, g.module_path(n), op_name(n.target) if n.op == "call_function" else n.op))
     shape = tuple(g.env[x.name].shape) if isinstance(g.env.get(x.name), torch.Tensor) else ()
     return TraceCertificate(name, cert, text, node, fix, rows, co.derived or own is not None, x.name, out.name,
-                            shape)
+                            shape, notes=list(it.notes))
+
+
+def _velocity_notes(certs: Sequence[TraceCertificate]) -> List[str]:
+    """The velocities' notes (values read at their example, own certificates not used), each once with the names of
+    the velocities it is about."""
+    where: Dict[str, List[str]] = {}
+    for tc in certs:
+        for note in tc.notes:
+            where.setdefault(note, []).append(tc.name or "velocity")
+    return [f"{', '.join(names)}: {note}" for note, names in where.items()]
 
 
 def certify(module: nn.Module, example_input: Any, *, residual: Union[str, Sequence[str], None, bool] = "auto",
@@ -99,17 +109,17 @@ def certify(module: nn.Module, example_input: Any, *, residual: Union[str, Seque
             certs = [certify_velocity(g, x, f, velocity_name(g, f, add) or f"update {k}")
                      for k, (x, f, add) in enumerate(ups)]
             dedupe_names(certs)
-            return ModelCertificate(certs, model_name, g.strict, notes=chain.notes if chain is not None else [
+            return ModelCertificate(certs, model_name, g.strict, notes=(chain.notes if chain is not None else [
                 "the residual updates do not lie on one path from an input to an output (two stacks side by "
                 "side, an encoder and a decoder): the maps between them, the stem and the head are not "
-                "certified"])
+                "certified"]) + _velocity_notes(certs))
         return _certify_chain(g, chain, model_name)
     if isinstance(residual, str):
         residual = [residual]
     if not isinstance(residual, (list, tuple)) or not all(isinstance(p, str) for p in residual):
         raise TypeError(f"residual must be 'auto', None, a module path/pattern or a list of them, got {residual!r}")
     certs = [certify_velocity(g, x, o, p) for p, x, o in module_velocities(g, residual)]
-    return ModelCertificate(certs, model_name, g.strict)
+    return ModelCertificate(certs, model_name, g.strict)  # each velocity's notes are on its certificate
 
 
 def _certify_chain(g: CapturedGraph, chain: Chain, model_name: str) -> ModelCertificate:
@@ -131,8 +141,10 @@ def _certify_chain(g: CapturedGraph, chain: Chain, model_name: str) -> ModelCert
             body.append(tc)
     dedupe_names(body)
     updates = [tc for tc in body if tc.certificate.is_update]
+    every = ([stem] if stem is not None else []) + body + ([head] if head is not None else [])
     return ModelCertificate(updates, model_name, g.strict, segments=body, stem=stem, head=head,
-                            integer_input=chain.integer_input, notes=chain.notes, chained=True)
+                            integer_input=chain.integer_input, notes=list(chain.notes) + _velocity_notes(every),
+                            chained=True)
 
 
 def _whole(g: CapturedGraph, model_name: str) -> TraceCertificate:

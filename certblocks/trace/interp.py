@@ -9,11 +9,20 @@ and ops registered as atoms, are collapsed (:mod:`certblocks.trace.atoms`); ever
 the rule registered for it (:mod:`certblocks.trace.rules`).
 
 Every op outside the class gets unknown exponents (``None``) and the node records why
-(``AValue.bad``); the certificate then names it.  Nothing is guessed.
+(``AValue.bad``); the certificate then names it.  Nothing is guessed.  Before a rule runs, the registry checks
+the call against the rule's declaration (:func:`~certblocks.trace.rules.registry.check_call`: an overload or an
+argument value the rule does not read is refused, the argument named).  A rule that raises gives an unknown
+value with the exception as the reason; with the environment variable ``CERTBLOCKS_STRICT_RULES=1`` (the test
+suite sets it) the exception propagates instead: a rule that crashes is a bug.
+
+:attr:`VelocityInterpreter.notes` lists every value read at its example although it depends on a model input
+(a mask or another input of the model, read as a constant of the velocity) and every certified module traced
+generically instead of by its own certificate; the certificate carries them.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple
 
@@ -24,10 +33,18 @@ from ..bounds.poly import Poly
 from . import atoms as _atoms
 from . import own as _own
 from .nodes import bind_args, op_name
-from .rules import rule_for
+from .rules import check_call, rule_for
 from .values import AValue
 
-__all__ = ["VelocityInterpreter", "AtomGroup"]
+__all__ = ["VelocityInterpreter", "AtomGroup", "STRICT_ENV", "strict_rules"]
+
+#: The environment variable that makes a rule's exception propagate (``"1"``) instead of giving "unknown".
+STRICT_ENV = "CERTBLOCKS_STRICT_RULES"
+
+
+def strict_rules() -> bool:
+    """Whether rules run in strict mode (:data:`STRICT_ENV` is ``"1"``): a rule that raises is a bug, not unknown."""
+    return os.environ.get(STRICT_ENV, "") == "1"
 
 # ops whose result is random even when their inputs are constants: never folded into a constant
 _RANDOM = ("rand", "normal", "bernoulli", "dropout", "empty", "multinomial")
@@ -60,6 +77,10 @@ class VelocityInterpreter:
         self.order: List[torch.fx.Node] = []
         self.atom_groups: Dict[str, AtomGroup] = {}
         self.certified_calls: Dict[str, Tuple[_own.CertifiedCall, Any]] = {}
+        #: Values read at their example although they depend on a model input, and certified modules traced
+        #: generically (module docstring); in order, without repeats.
+        self.notes: List[str] = []
+        self._user_dep: Optional[Set[str]] = None
 
     # ------------------------------------------------------------------------------------------
     def run(self) -> AValue:
@@ -79,10 +100,11 @@ class VelocityInterpreter:
             else:
                 try:
                     av = self._eval(n)
-                except Exception as exc:  # a rule crashed: never guess, mark unknown
-                    av = AValue.unknown(self.shape_of(n), f"{op_name(n.target)}: rule failed",
-                                        f"the rule for {op_name(n.target)} raised {type(exc).__name__}: {exc}",
-                                        self.deps_of(n))
+                except Exception as exc:  # a rule crashed: never guess, mark unknown (strict mode: a bug, raise)
+                    if strict_rules():
+                        raise
+                    av = self.unknown_like(n, f"{op_name(n.target)}: rule failed",
+                                           f"the rule for {op_name(n.target)} raised {type(exc).__name__}: {exc}")
             self.values[n.name] = av
         return self.value(self.out)
 
@@ -93,6 +115,40 @@ class VelocityInterpreter:
         if isinstance(v, torch.Tensor):
             return tuple(v.shape)
         return ()
+
+    def note(self, text: str) -> None:
+        """Add a note (once)."""
+        if text not in self.notes:
+            self.notes.append(text)
+
+    def depends_on_model_input(self, n: Any) -> bool:
+        """Whether a node depends on an input of the captured model (the velocity's input or another one)."""
+        if self._user_dep is None:
+            self._user_dep = self.g.depends_on_input()
+        return isinstance(n, torch.fx.Node) and n.name in self._user_dep
+
+    def example(self, n: Any) -> Any:
+        """The concrete value of a node on the example input, for a rule that reads it as a constant.
+
+        A node interpreted as input-dependent, or one that depends on a model input, is read at its example value:
+        the read is noted (:attr:`notes`).
+        """
+        if not isinstance(n, torch.fx.Node):
+            return n
+        av = self.values.get(n.name)
+        if (isinstance(av, AValue) and not av.const) or (av is None and self.depends_on_model_input(n)):
+            what = f"the model input {n.name}" if n.op == "placeholder" else \
+                f"{n.name} ({op_name(n.target) if n.op == 'call_function' else n.op}), which depends on a model input,"
+            self.note(f"{what} is read at its example value")
+        return self.g.env.get(n.name)
+
+    def unknown_like(self, n: torch.fx.Node, rule: str, bad: str) -> Any:
+        """An unknown value for every output of ``n`` (a list for an op with several), ``bad`` on the first."""
+        conc = self.g.env.get(n.name)
+        if isinstance(conc, (tuple, list)):
+            return [AValue.unknown(tuple(c.shape) if isinstance(c, torch.Tensor) else (), rule, bad if k == 0 else "",
+                                   self.deps_of(n)) for k, c in enumerate(conc)]
+        return AValue.unknown(self.shape_of(n), rule, bad, self.deps_of(n))
 
     def deps_of(self, n: torch.fx.Node) -> Tuple[str, ...]:
         """The names of a node's input-dependent inputs."""
@@ -105,6 +161,8 @@ class VelocityInterpreter:
             if v is not None:
                 return v
             conc = self.g.env.get(n.name)
+            if self.depends_on_model_input(n):
+                self.example(n)  # a value of another model input (a mask, a second tensor): noted
             if isinstance(conc, torch.Tensor):
                 av = AValue.constant(conc)
                 self.values[n.name] = av
@@ -186,7 +244,7 @@ class VelocityInterpreter:
         names of the nodes they hide.  A call inside a registered module atom, or of a module registered as
         one, is left to the atom."""
         hidden: Set[str] = set()
-        for call in _own.certified_calls(self.g, self.x, sub):
+        for call in _own.certified_calls(self.g, self.x, sub, self.notes):
             o = call.output.name
             if o in skip or o in self.atom_groups:
                 continue
@@ -249,6 +307,9 @@ class VelocityInterpreter:
         if rule is None:
             return AValue.unknown(shape, name, f"{name} is outside the certified class (no rule for this op)",
                                   self.deps_of(n))
+        refused = check_call(n)
+        if refused is not None:
+            return self.unknown_like(n, name, refused)
         return self._finish(rule(self, n, args, shape), n, name)
 
     def _finish(self, res: Any, n: torch.fx.Node, name: str) -> Any:

@@ -19,7 +19,9 @@ __all__ = [
     "target_name",
     "bind_args",
     "strip_casts",
+    "strip_exact_casts",
     "is_same",
+    "is_same_value",
 ]
 
 #: Ops that return their input's values unchanged (copies, dtype casts, aliases, metadata checks).
@@ -93,6 +95,48 @@ def strip_casts(n: Any) -> Any:
             break
         n = n.args[k]
     return n
+
+
+#: Significand bits (with the implicit one) of the float dtypes.
+_MANTISSA = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}
+
+
+def _exact_cast(src: Any, dst: Any) -> bool:
+    """Whether a cast from the concrete value ``src`` to ``dst`` keeps every value exactly (the same dtype, or a
+    float dtype at least as fine; an integer or boolean into any dtype that holds it)."""
+    if not isinstance(src, torch.Tensor) or not isinstance(dst, torch.Tensor):
+        return False
+    a, b = src.dtype, dst.dtype
+    if a == b:
+        return True
+    if a == torch.bool:
+        return True
+    if b.is_floating_point and a.is_floating_point:
+        fa, fb = torch.finfo(a), torch.finfo(b)
+        return fb.eps <= fa.eps and fb.max >= fa.max and fb.tiny <= fa.tiny
+    if b.is_floating_point and not a.is_floating_point and not a.is_complex:
+        return torch.iinfo(a).bits <= _MANTISSA.get(b, 0)  # every integer of the type is a float of b
+    return False
+
+
+def strip_exact_casts(n: Any, env: Dict[str, Any]) -> Any:
+    """Like :func:`strip_casts`, but only through casts that keep every value exactly (``env`` holds the concrete
+    values, whose dtypes tell): a recognizer that relies on two tensors being equal entrywise (``x - max(x) <= 0``,
+    ``x / sqrt(mean(x^2))``) must not see through a rounding cast."""
+    while isinstance(n, torch.fx.Node) and n.op == "call_function" and op_name(n.target) in CASTS and n.args:
+        k = 1 if op_name(n.target) in ("aten.copy", "aten.fill_") else 0
+        if len(n.args) <= k or not isinstance(n.args[k], torch.fx.Node):
+            break
+        if not _exact_cast(env.get(n.args[k].name), env.get(n.name)):
+            break
+        n = n.args[k]
+    return n
+
+
+def is_same_value(n1: Any, n2: Any, env: Dict[str, Any]) -> bool:
+    """Whether two node arguments hold the same values up to exact casts (:func:`strip_exact_casts`)."""
+    return isinstance(n1, torch.fx.Node) and isinstance(n2, torch.fx.Node) and \
+        strip_exact_casts(n1, env) is strip_exact_casts(n2, env)
 
 
 def is_same(n1: Any, n2: Any) -> bool:

@@ -14,6 +14,14 @@ rules derive from its graph (they lose factors at every reshape, split and produ
 A call qualifies when, in the captured graph, it reads one tensor that depends on the velocity's input (every
 other tensor it reads is a parameter or a constant), returns one tensor of the same leading shape, and draws
 nothing at random (no active dropout): the certificate bounds the module as a function of that one tensor.
+
+The certificate bounds the certified class's own forward, so it stands for a call only when the graph is that
+forward (:func:`own_refusal`): no forward hook or pre-hook on the module or inside it (registered on a module,
+or globally with ``torch.nn.modules.module.register_module_forward_hook``/``_pre_hook``), and the module's
+``forward`` is the one the class that defines ``certificate`` runs (``type(m).forward is C.forward`` for that
+class ``C``: a subclass that overrides ``forward`` opts in by defining ``certificate`` too; a ``forward``
+assigned on the instance never does).  Otherwise the call is traced generically, and the notes say which
+module and why.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from .capture import CapturedGraph
 from .nodes import IDENTITY_OPS, bind_args, op_name
 
 __all__ = ["CallBounds", "CertifiedCall", "certified_calls", "call_bounds", "call_certificate", "is_certified",
-           "own_certificate", "representative", "rules_only", "scaled_certificate"]
+           "own_certificate", "own_refusal", "representative", "rules_only", "scaled_certificate"]
 
 #: Ops of a velocity's tail that scale the module's output by a constant (the stack's ``dt * block(x)``).
 _SCALE_OPS = ("aten.mul", "aten.div", "aten.neg")
@@ -85,6 +93,40 @@ def is_certified(module: Any) -> bool:
     return callable(getattr(module, "certificate", None)) and hasattr(module, "exponents")
 
 
+def _owner(cls: type, attr: str) -> Optional[type]:
+    """The class of ``cls``'s MRO that defines ``attr``."""
+    return next((k for k in cls.__mro__ if attr in vars(k)), None)
+
+
+def own_refusal(module: nn.Module) -> Optional[str]:
+    """Why ``module``'s own certificate may not stand for its call (``None``: it may; module docstring).
+
+    The certificate bounds the forward of the class that defines ``certificate``, built of the module's own
+    submodules: a forward hook or pre-hook (on the module, on a submodule, or global) changes what the call
+    computes, and so does a ``forward`` that is not that class's (overridden by a subclass, or set on the instance).
+    """
+    g_hooks = nn.modules.module
+    if getattr(g_hooks, "_global_forward_hooks", None) or getattr(g_hooks, "_global_forward_pre_hooks", None):
+        return "a global forward hook is registered (register_module_forward_hook / _pre_hook)"
+    for name, sub in module.named_modules():
+        if sub._forward_hooks or sub._forward_pre_hooks:
+            kind = "forward hook" if sub._forward_hooks else "forward pre-hook"
+            where = f"its submodule {name}" if name else "it"
+            return f"{where} has a {kind}, which the certificate does not bound"
+        if "forward" in vars(sub):
+            where = f"its submodule {name}" if name else "it"
+            return f"{where} has a forward set on the instance"
+    cls = type(module)
+    owner = _owner(cls, "certificate")
+    if owner is None:
+        return None if "certificate" in vars(module) else "its certificate is not a method of its class"
+    if cls.forward is not getattr(owner, "forward", None):
+        fwd = _owner(cls, "forward")
+        return (f"{cls.__name__}.forward is {fwd.__name__ if fwd else '?'}'s, not the forward of {owner.__name__}, "
+                f"whose certificate it has (define certificate in the class that overrides forward)")
+    return None
+
+
 def _draws_random(n: torch.fx.Node) -> bool:
     """Whether a node is random at run time: an active dropout (train and ``p > 0``) or a random op."""
     if n.op != "call_function":
@@ -106,13 +148,15 @@ def _shape(g: CapturedGraph, n: torch.fx.Node) -> Optional[Tuple[int, ...]]:
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
-def certified_calls(g: CapturedGraph, x: torch.fx.Node, sub: Set[str]) -> List[CertifiedCall]:
+def certified_calls(g: CapturedGraph, x: torch.fx.Node, sub: Set[str],
+                    notes: Optional[List[str]] = None) -> List[CertifiedCall]:
     """The outermost qualifying calls of certified modules among the nodes ``sub`` of the velocity ``x -> out``.
 
     Args:
         g: the captured graph.
         x: the velocity's input node.
         sub: the names of the velocity's nodes (:meth:`~certblocks.trace.capture.CapturedGraph.between`).
+        notes: where to say which certified modules are traced generically and why (:func:`own_refusal`).
 
     Returns:
         The calls (module docstring: one input that depends on ``x``, one output, nothing random), none inside
@@ -138,6 +182,14 @@ def certified_calls(g: CapturedGraph, x: torch.fx.Node, sub: Set[str]) -> List[C
     for key in candidates:
         module = g.get_module(paths[key])
         if module is None or not is_certified(module):
+            continue
+        why = own_refusal(module)
+        if why is not None:
+            if notes is not None:
+                note = (f"{type(module).__name__} ({paths[key] or 'the captured module'}): its own certificate is not "
+                        f"used ({why}); traced op by op")
+                if note not in notes:
+                    notes.append(note)
             continue
         call = _qualify(g, x, sub, key, paths[key], module, members[key], user_dep, outputs)
         if call is not None:
@@ -333,8 +385,8 @@ def scaled_certificate(cert: BlockCertificate, factor: float, name: str = "") ->
                                name=name or cert.name)
 
 
-def own_certificate(g: CapturedGraph, x: torch.fx.Node, out: torch.fx.Node,
-                    name: str = "") -> Optional[BlockCertificate]:
+def own_certificate(g: CapturedGraph, x: torch.fx.Node, out: torch.fx.Node, name: str = "",
+                    notes: Optional[List[str]] = None) -> Optional[BlockCertificate]:
     """The certificate of the velocity ``x -> out`` when it is exactly one call of a certified module.
 
     The velocity may cast ``x`` before the call and cast, multiply or divide the call's output by constant
@@ -346,6 +398,7 @@ def own_certificate(g: CapturedGraph, x: torch.fx.Node, out: torch.fx.Node,
         x: the velocity's input node.
         out: the velocity's output node.
         name: the certificate's name (default: the module's).
+        notes: where to say which certified modules are traced generically and why (:func:`own_refusal`).
 
     Returns:
         The certificate, or ``None`` when the velocity is not exactly one qualifying call (module docstring)
@@ -354,7 +407,7 @@ def own_certificate(g: CapturedGraph, x: torch.fx.Node, out: torch.fx.Node,
     if x is out:
         return None
     sub = g.between(x, out)
-    calls = {c.output.name: c for c in certified_calls(g, x, sub)}
+    calls = {c.output.name: c for c in certified_calls(g, x, sub, notes)}
     tail = _tail(g, out, g.depends_on_input(), set(calls))
     if tail is None or tail[0].name not in calls:
         return None

@@ -82,6 +82,8 @@ class TraceCertificate:
         nodes: the per-node table, in topological order.
         coefficients_derived: whether c, b, l1, l0 are finite derived bounds.
         input_node, output_node: the graph nodes of the velocity's input and output.
+        notes: values read at their example value although they depend on a model input, and certified modules
+            traced op by op instead of by their own certificate (and why).
     """
 
     name: str
@@ -94,6 +96,7 @@ class TraceCertificate:
     input_node: str = ""
     output_node: str = ""
     input_shape: Sequence[int] = field(default_factory=tuple)
+    notes: List[str] = field(default_factory=list)
 
     @property
     def exponents(self) -> Exponents:

@@ -16,6 +16,7 @@ field               meaning
 ``const``           the tensor does not depend on ``x``
 ``value``           the concrete tensor of a constant (``None`` otherwise)
 ``stochastic_dim``  the (negative) dimension along which ``t`` is row-stochastic (entries >= 0, sum 1)
+``row_sum``         with ``stochastic_dim``: the sums along it are at most this (1; ``1 + u`` after a rounding cast)
 ``rule``            the rule that produced the value (reports)
 ``deps``            names of the input-dependent nodes it was computed from
 ``bad``             why this node is outside the certified class (only on the node responsible)
@@ -96,6 +97,7 @@ class AValue:
     const: bool = False
     value: Optional[torch.Tensor] = None
     stochastic_dim: Optional[int] = None
+    row_sum: float = 1.0
     rule: str = ""
     deps: Tuple[str, ...] = field(default_factory=tuple)
     bad: str = ""
@@ -131,6 +133,7 @@ class ConstAValue(AValue):
         self.const = True
         self.value = value
         self.stochastic_dim = None
+        self.row_sum = 1.0
         self.rule = rule
         self.deps = ()
         self.bad = ""

@@ -91,17 +91,25 @@ def test_cpu_flash_attention_form():
 
 
 class Powers(nn.Module):
-    def __init__(self, p: float) -> None:
+    def __init__(self, p: float, signed: bool = False) -> None:
         super().__init__()
-        self.p = p
+        self.p, self.signed = p, signed
 
     def forward(self, x):
-        return x.pow(self.p) if self.p != 0.5 else torch.sqrt(x.abs())
+        if self.p == 0.5:
+            return torch.sqrt(x.abs())
+        return x.pow(self.p) if self.p.is_integer() or self.signed else x.abs().pow(self.p)
 
 
-@pytest.mark.parametrize("p, expected", [(2, (2, 1)), (3, (3, 2)), (1.5, (1.5, 0.5)), (0.5, (None, None))])
+@pytest.mark.parametrize("p, expected", [(2.0, (2, 1)), (3.0, (3, 2)), (1.5, (1.5, 0.5)), (0.5, (None, None))])
 def test_power(p, expected):
     assert certify(Powers(p), torch.randn(2, 3, D)).exponents == Exponents(*expected)
+
+
+def test_fractional_power_of_a_signed_tensor_is_refused():
+    """``x ** 1.5`` is NaN for negative entries: no bound holds there, the node is refused with the reason."""
+    c = certify(Powers(1.5, signed=True), torch.randn(2, 3, D))
+    assert c.q is None and "may be negative" in c.culprit
 
 
 class DivByInput(nn.Module):
@@ -182,3 +190,25 @@ def test_activation_lipschitz_constants():
         (g,) = torch.autograd.grad(y.sum(), x)
         assert float(g.abs().max()) <= co["l0"], type(module).__name__
         assert float((y.detach().abs() - co["c"] * x.detach().abs()).max()) <= 1e-12, type(module).__name__
+
+
+class InstanceNormEval(nn.Module):
+    """``instance_norm`` with running statistics (eval): one affine map per channel, one output (it returned a
+    list of rows before and crashed the certificate)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.fc = nn.Linear(D, D)
+        self.register_buffer("mean", torch.randn(D))
+        self.register_buffer("var", torch.rand(D) + 0.5)
+
+    def forward(self, x):
+        return F.instance_norm(self.fc(x).transpose(1, 2), self.mean, self.var, use_input_stats=False).transpose(1, 2)
+
+
+def test_instance_norm_with_running_statistics(soundness):
+    m = InstanceNormEval().eval()
+    c = certify(m, torch.randn(1, 4, D), residual=None)
+    assert c.exponents == Exponents(1, 0) and c.coefficients_derived, c.explain()
+    soundness(m, c.certificate, (1, 4, D), "instance_norm eval")

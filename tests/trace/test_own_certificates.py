@@ -215,3 +215,93 @@ def test_active_dropout_gives_no_own_certificate():
     attn = QKNormAttention(DIM, 4, attn_dropout=0.1, resid_dropout=0.1)
     assert own_certificate(*_whole_velocity(attn.train(), x)) is None
     assert _fields(own_certificate(*_whole_velocity(attn.eval(), x))) == _fields(attn.certificate(seq_len=SEQ))
+
+
+# -- own certificates only for the certified class's own forward (issue 31, item 3) ---------------------------------
+class LoudMLP(GatedMLP):
+    """A subclass that overrides ``forward`` and keeps GatedMLP's certificate: its certificate does not bound it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 1e6 * super().forward(x)
+
+
+class CertifiedLoudMLP(LoudMLP):
+    """A subclass that overrides ``forward`` and states a certificate for it: its own certificate is used."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 1e6 * GatedMLP.forward(self, x)
+
+    def certificate(self, *, seq_len: Optional[int] = None, r0: Optional[float] = None) -> BlockCertificate:
+        from certblocks.trace.own import scaled_certificate
+
+        return scaled_certificate(GatedMLP.certificate(self, seq_len=seq_len, r0=r0), 1e6, "CertifiedLoudMLP")
+
+
+def _own_rows(tc) -> List[str]:
+    return [r.rule for r in tc.nodes if r.rule.startswith("own certificate")]
+
+
+def _loud_hook(module, inputs, output):
+    return output * 1e6
+
+
+@pytest.mark.parametrize("where", ["module", "submodule", "global", "pre"])
+def test_a_hooked_certified_block_is_traced_generically(where, soundness):
+    torch.manual_seed(6)
+    mlp = GatedMLP(DIM, 2 * DIM).eval()
+    x = torch.randn(1, SEQ, DIM)
+    plain = certblocks.certify(mlp, x, residual=None)
+    assert _own_rows(plain) and not plain.notes, plain.explain()
+    if where == "module":
+        handle = mlp.register_forward_hook(_loud_hook)
+    elif where == "submodule":
+        handle = next(m for m in mlp.modules() if isinstance(m, nn.Linear)).register_forward_hook(_loud_hook)
+    elif where == "global":
+        handle = nn.modules.module.register_module_forward_hook(
+            lambda m, i, o: o * 1e6 if m is mlp else o)
+    else:
+        handle = mlp.register_forward_pre_hook(lambda m, args: (args[0] * 1e6,))
+    try:
+        tc = certblocks.certify(mlp, x, residual=None)
+        assert not _own_rows(tc), tc.explain()
+        assert any("GatedMLP" in n and "hook" in n and "traced op by op" in n for n in tc.notes), tc.notes
+        assert tc.coefficients_derived
+        assert tc.certificate.c + tc.certificate.b > 1e5 * (plain.certificate.c + plain.certificate.b)
+        soundness(mlp, tc.certificate, (4, SEQ, DIM), f"hooked ({where})")
+    finally:
+        handle.remove()
+    again = certblocks.certify(mlp, x, residual=None)
+    assert _fields(again.certificate) == _fields(plain.certificate) and not again.notes
+
+
+def test_a_subclass_overriding_forward_is_traced_generically(soundness):
+    torch.manual_seed(7)
+    loud = LoudMLP(DIM, 2 * DIM).eval()
+    x = torch.randn(1, SEQ, DIM)
+    tc = certblocks.certify(loud, x, residual=None)
+    assert not _own_rows(tc), tc.explain()
+    assert any("LoudMLP.forward is LoudMLP's, not the forward of GatedMLP" in n for n in tc.notes), tc.notes
+    soundness(loud, tc.certificate, (4, SEQ, DIM), "LoudMLP")
+    # nested in a user velocity: the call is interpreted op by op, and the note names its path
+    outer = NormedAttention(DIM).eval()
+    outer.attn = LoudMLP(DIM, 2 * DIM).eval()
+    nested = certblocks.certify(outer, torch.randn(1, 8, DIM), residual=None)
+    assert any("(attn)" in n for n in nested.notes) and not _own_rows(nested)
+    soundness(outer, nested.certificate, (4, 8, DIM), "nested LoudMLP")
+
+
+def test_a_subclass_that_declares_its_certificate_opts_in():
+    torch.manual_seed(8)
+    m = CertifiedLoudMLP(DIM, 2 * DIM).eval()
+    tc = certblocks.certify(m, torch.randn(1, SEQ, DIM), residual=None)
+    assert _own_rows(tc) and not tc.notes
+    assert _fields(tc.certificate) == _fields(m.certificate(seq_len=SEQ))
+
+
+def test_a_forward_set_on_the_instance_is_traced_generically():
+    torch.manual_seed(9)
+    mlp = GatedMLP(DIM, 2 * DIM).eval()
+    inner = mlp.forward
+    mlp.forward = lambda x: 1e6 * inner(x)
+    tc = certblocks.certify(mlp, torch.randn(1, SEQ, DIM), residual=None)
+    assert not _own_rows(tc) and any("forward set on the instance" in n for n in tc.notes), tc.notes

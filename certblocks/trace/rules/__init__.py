@@ -1,7 +1,8 @@
 """The tracer's per-op rules (THEORY.md section 2), one module per family, registered by op name.
 
-Importing this package registers every rule with :func:`register_rule`; the interpreter finds them
-with :func:`rule_for`.
+Importing this package registers every rule with :func:`register_rule`, each with what it reads of its
+ops' schemas; the interpreter finds them with :func:`rule_for` and checks each call with :func:`check_call`
+before the rule runs (:mod:`.registry` describes the declarations; :func:`rule_spec` returns them).
 
 * :mod:`.structural` -- copies, casts, views, permutes, selections, cat, pad;
 * :mod:`.pointwise` -- activations, clamps, ``exp``, powers, entrywise ops outside the class;
@@ -16,8 +17,10 @@ with :func:`rule_for`.
 * :mod:`.scan` -- the selective scan (``certblocks::selective_scan``).
 """
 
-from .registry import Rule, register_rule, registered_rules, rule_for  # noqa: I001  (the registry first)
+from .registry import (  # noqa: I001  (the registry first)
+    INERT_ARGUMENTS, Rule, RuleSpec, check_call, register_rule, registered_rules, rule_for, rule_spec)
 from . import structural, pointwise, normalizations, attention, arithmetic, linalg, reductions, scan  # noqa: F401
 from . import division, indexing, selection  # noqa: F401
 
-__all__ = ["Rule", "register_rule", "registered_rules", "rule_for"]
+__all__ = ["INERT_ARGUMENTS", "Rule", "RuleSpec", "check_call", "register_rule", "registered_rules", "rule_for",
+           "rule_spec"]

@@ -13,9 +13,9 @@ import torch
 
 from ... import exponents as E
 from ...bounds.poly import Poly, psum
-from ..nodes import is_same, op_name, strip_casts
+from ..nodes import bind_args, is_same, op_name, strip_exact_casts
 from ..values import AValue, max_abs, row_norm
-from .common import broadcast_factor, flip_sign, scaled, sign_mul, switched, unknown
+from .common import broadcast_factor, flip_sign, scalar_arg, scaled, sign_mul, switched, unknown
 from .normalizations import recognize_norm
 from .registry import register_rule
 
@@ -62,20 +62,23 @@ def hadamard(x: AValue, y: AValue, shape: Sequence[int], name: str) -> AValue:
 def multiply(n: torch.fx.Node, x: Any, y: Any, shape: Shape) -> AValue:
     """``x * y`` once no normalization was recognized (either side may be a Python number)."""
     if not isinstance(y, AValue):
-        s = abs(float(y))
-        sg = x.sign if float(y) > 0 else (flip_sign(x.sign) if float(y) < 0 else "0")
-        out = scaled(x, shape, s, rule="mul by a scalar (affine)", sign=sg)
-        out.max_abs = None if x.entry_bound() is None else x.entry_bound().scale(s)
-        return out
+        s = scalar_arg(y, 1.0)
+        if isinstance(y, complex):
+            sg = "0" if s == 0 else None
+        else:
+            sg = x.sign if float(y) > 0 else (flip_sign(x.sign) if float(y) < 0 else "0")
+        fb = broadcast_factor(x.shape, shape)
+        return scaled(x, shape, abs(s) * fb, entry_factor=abs(s), via_entries=fb != 1.0,
+                      rule="mul by a scalar (affine)", sign=sg)
     if not isinstance(x, AValue):
         return multiply(n, y, x, shape)
     out = hadamard(x, y, shape, "mul")
-    if is_same(n.args[0], n.args[1]):
-        out.sign = "+"
+    if len(n.args) > 1 and is_same(n.args[0], n.args[1]):
+        out.sign = "+"  # x * x (up to casts, which keep signs)
     return out
 
 
-@register_rule("aten.mul", "aten.multiply")
+@register_rule("aten.mul", "aten.multiply", reads=("self", "other"))
 def mul(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
     return recognize_norm(it, n, shape) or multiply(n, a["self"], a["other"], shape)
 
@@ -93,7 +96,7 @@ def sum_term(v: AValue, factor: float, scale: float = 1.0) -> Optional[Poly]:
 
 def as_value(v: Any) -> AValue:
     """An operand as an abstract value (a Python number becomes a 0-d constant)."""
-    return v if isinstance(v, AValue) else AValue.constant(torch.as_tensor(float(v)))
+    return v if isinstance(v, AValue) else AValue.constant(torch.as_tensor(v))
 
 
 def linear_sum(x: AValue, y: AValue, alpha: float, shape: Shape, rule: str) -> AValue:
@@ -116,63 +119,67 @@ def linear_sum(x: AValue, y: AValue, alpha: float, shape: Shape, rule: str) -> A
                   sign=sign, rule=rule)
 
 
-@register_rule("aten.add", "aten.sub", "aten.subtract", "aten.rsub")
+@register_rule("aten.add", "aten.sub", "aten.subtract", "aten.rsub", reads=("self", "other", "alpha"))
 def add(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
+    """``self + alpha * other`` (``self - alpha * other``; ``rsub``: ``other - alpha * self``) by the sum rule, with
+    broadcasting; ``x - max(x)`` (``alpha = 1``, the maximum kept along the reduced dims) is ``<= 0``."""
     x, y = a["self"], a["other"]
-    alpha = a.get("alpha", 1) or 1
+    alpha = 1 if a.get("alpha") is None else a["alpha"]
     name = op_name(n.target)
     if name == "aten.rsub":
         x, y = y, x
     sub = name in ("aten.sub", "aten.subtract", "aten.rsub")
     if isinstance(alpha, AValue):
         return unknown(shape, "add with a tensor alpha")
+    if isinstance(alpha, complex):
+        return unknown(shape, f"add with a complex alpha={alpha!r}")
     x, y = as_value(x), as_value(y)
-    if x.const and y.const:
-        return AValue.constant(it.g.env[n.name])
     out = linear_sum(x, y, -float(alpha) if sub else float(alpha), shape,
                      "sub (sum rule)" if sub else "add (sum rule)")
-    # x - max(x) along a dim is <= 0
-    if sub and _is_max_of(*((n.args[1], n.args[0]) if name != "aten.rsub" else (n.args[0], n.args[1]))):
+    b = bind_args(n) or {}
+    minuend, subtrahend = (b.get("other"), b.get("self")) if name == "aten.rsub" else (b.get("self"), b.get("other"))
+    if sub and float(alpha) == 1.0 and _is_max_of(it, subtrahend, minuend):
         out.sign = "-"
     return out
 
 
-def _is_max_of(m: Any, x: Any) -> bool:
-    """``m`` is amax/max(x, dim, keepdim) (possibly cast/expanded) of the same ``x``."""
-    m = strip_casts(m)
-    if not isinstance(m, torch.fx.Node) or m.op != "call_function":
+def _is_max_of(it: VelocityInterpreter, m: Any, x: Any) -> bool:
+    """``m`` is the maximum of ``x`` over some dims, kept aligned with ``x`` (``keepdim``, or every dim reduced),
+    up to casts that keep values exactly: then ``x - m <= 0`` entrywise, also when computed in floating point."""
+    m, x = strip_exact_casts(m, it.g.env), strip_exact_casts(x, it.g.env)
+    if not isinstance(m, torch.fx.Node) or m.op != "call_function" or not isinstance(x, torch.fx.Node):
         return False
     nm = op_name(m.target)
     if nm == "getitem":
         src = m.args[0]
-        if isinstance(src, torch.fx.Node) and op_name(src.target) == "aten.max" and m.args[1] == 0:
-            return strip_casts(src.args[0]) is strip_casts(x)
+        if not (isinstance(src, torch.fx.Node) and op_name(src.target) == "aten.max" and m.args[1] == 0):
+            return False
+        m = src
+    elif nm not in ("aten.amax", "aten.max"):
         return False
-    if nm in ("aten.amax", "aten.max"):
-        return strip_casts(m.args[0]) is strip_casts(x)
-    return False
+    b = bind_args(m) or {}
+    if "other" in b:
+        return False  # max(a, b) entrywise
+    xv, mv = it.g.env.get(x.name), it.g.env.get(m.name)
+    mv = mv[0] if isinstance(mv, (tuple, list)) else mv
+    aligned = bool(b.get("keepdim", False)) or (isinstance(mv, torch.Tensor) and mv.dim() == 0) or \
+        (isinstance(mv, torch.Tensor) and isinstance(xv, torch.Tensor) and mv.dim() == xv.dim())
+    return aligned and strip_exact_casts(m.args[0], it.g.env) is x
 
 
-@register_rule("aten.where")
+@register_rule("aten.where", overloads=("self", "ScalarOther", "ScalarSelf", "Scalar"),
+               reads=("condition", "self", "other"))
 def where(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
     """Every entry of ``where(c, x, y)`` is the entry of ``x`` or of ``y``: the sum rule bounds it whatever ``c``.
-    A condition that depends on the input switches discontinuously: q is kept, sigma is not derived."""
-    cond, x, y = a["condition"], a["self"], a["other"]
-    xs = [v if isinstance(v, AValue) else AValue.constant(torch.as_tensor(float(v))) for v in (x, y)]
-    out = add(it, n, {"self": xs[0], "other": xs[1], "alpha": 1}, shape)
-    out.sign = xs[0].sign if xs[0].sign == xs[1].sign else None
+    A condition that depends on the input switches discontinuously: q is kept, sigma is not derived (also when
+    both branches are constants: the result is then bounded by them, never read at the example)."""
+    cond, x, y = a["condition"], as_value(a["self"]), as_value(a["other"])
+    out = linear_sum(x, y, 1.0, shape, "where (sum rule)")
+    out.sign = x.sign if x.sign == y.sign else None
     if isinstance(cond, AValue) and not cond.const:
         return switched(out, "where() with a condition that depends on the input (a discontinuous switch)")
     out.rule = "where with a constant condition (sum rule)"
     return out
-
-
-
-def _scalar(v: Any) -> Optional[float]:
-    """A Python-number argument as a float (``None`` for a tensor)."""
-    if isinstance(v, AValue):
-        return None
-    return 1.0 if v is None else float(v)
 
 
 def product_shape(x: Any, y: Any) -> Shape:
@@ -180,22 +187,22 @@ def product_shape(x: Any, y: Any) -> Shape:
     return tuple(torch.broadcast_shapes(*[v.shape if isinstance(v, AValue) else () for v in (x, y)]))
 
 
-@register_rule("aten.addcmul")
+@register_rule("aten.addcmul", reads=("self", "tensor1", "tensor2", "value"))
 def addcmul(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
     """``self + value * tensor1 * tensor2``: the product rule for the product, the sum rule for the sum.
 
     With one constant factor (ResMLP's affine ``addcmul(beta, alpha, x)``) the product is affine: its bound is
     the other factor's times ``max |constant|`` (:func:`hadamard`), so the result keeps the input's exponents.
     """
-    value = _scalar(a.get("value", 1))
-    if value is None:
-        return unknown(shape, "addcmul with a tensor value")
+    value = scalar_arg(a.get("value"), 1.0)
+    if value is None or isinstance(a.get("value"), complex):
+        return unknown(shape, f"addcmul with value={a.get('value')!r} (a tensor or a complex number)")
     t1, t2 = as_value(a["tensor1"]), as_value(a["tensor2"])
     prod = hadamard(t1, t2, product_shape(t1, t2), "addcmul")
     return linear_sum(as_value(a["self"]), prod, value, shape, f"addcmul ({prod.rule}, sum rule)")
 
 
-@register_rule("aten.lerp")
+@register_rule("aten.lerp", overloads=("Scalar", "Tensor"), reads=("self", "end", "weight"))
 def lerp(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
     """``self + weight * (end - self)``: the sum rule, and the product rule when the weight is a tensor."""
     x, end, w = as_value(a["self"]), as_value(a["end"]), a["weight"]
@@ -203,5 +210,5 @@ def lerp(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AV
     if isinstance(w, AValue):
         step = hadamard(w, diff, product_shape(w, diff), "lerp")
     else:
-        step = multiply(n, diff, float(w), diff.shape)
+        step = multiply(n, diff, w, diff.shape)
     return linear_sum(x, step, 1.0, shape, "lerp (sum rule)")

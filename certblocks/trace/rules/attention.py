@@ -16,8 +16,9 @@ from ... import exponents as E
 from ...bounds.norms import op_norm
 from ...bounds.poly import Poly
 from ...exponents import Exponents
-from ..nodes import bind_args, is_same, strip_casts, target_name
+from ..nodes import bind_args, is_same_value, strip_exact_casts, target_name
 from ..values import AValue
+from .common import rounding_factor, unit_roundoff
 from .registry import register_rule
 
 if TYPE_CHECKING:
@@ -45,20 +46,38 @@ def softmax_value(z: AValue, shape: Sequence[int], dim: int, name: str, deps: Tu
                   rule=f"{name} (row-stochastic)", deps=tuple(deps))
 
 
-@register_rule("aten.softmax", "aten._softmax", "aten.special_softmax")
+def _coarser(it: VelocityInterpreter, n: torch.fx.Node, k: int) -> float:
+    """The relative rounding of a softmax computed in a coarser dtype than its input's (``dtype=``): ``(k + 2) u``
+    for ``k`` terms (an exponential, a sum and a division per entry), else 0."""
+    src = it.g.env.get(getattr(n.args[0], "name", "")) if n.args else None
+    out = it.g.env.get(n.name)
+    if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return 0.0
+    return 0.0 if rounding_factor(src.dtype, out.dtype) == 1.0 else (k + 2) * unit_roundoff(out.dtype)
+
+
+@register_rule("aten.softmax", "aten._softmax", "aten.special_softmax", reads=("self", "dim", "dtype", "half_to_float"))
 def softmax(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
-    return softmax_value(a["self"], shape, int(a["dim"]) % max(len(shape), 1), "softmax")
+    """Probabilities along ``dim``; computed in a coarser dtype they sum to at most ``1 + (k + 2) u``."""
+    dim = int(a["dim"]) % max(len(shape), 1)
+    out = softmax_value(a["self"], shape, dim, "softmax")
+    slack = _coarser(it, n, shape[dim] if shape else 1)
+    if slack:
+        out.row_sum = 1.0 + slack
+        out.growth, out.max_abs = out.growth.scale(out.row_sum), out.max_abs.scale(out.row_sum)
+    return out
 
 
-@register_rule("aten.log_softmax", "aten._log_softmax")
+@register_rule("aten.log_softmax", "aten._log_softmax", reads=("self", "dim", "dtype", "half_to_float"))
 def log_softmax(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
     x = a["self"]
     dim = int(a["dim"]) % max(len(shape), 1)
     k = shape[dim]
     d = shape[-1]
     entries = x.entry_bound()
+    rf = 1.0 + _coarser(it, n, k)
     # |z_i - logsumexp(z)| <= 2 max|z| + log k
-    m = None if entries is None else entries.scale(2.0) + Poly.const(math.log(k))
+    m = None if entries is None else (entries.scale(2.0) + Poly.const(math.log(k))).scale(rf)
     jf = (1 + math.sqrt(k)) * (math.sqrt(d * k) if dim != len(shape) - 1 else 1.0)
     return AValue(exps=E.compose(E.LIPSCHITZ, x.exps), shape=shape, growth=None if m is None else m.scale(math.sqrt(d)),
                   max_abs=m, jacobian=None if x.jacobian is None else x.jacobian.scale(jf), sign="-",
@@ -68,7 +87,9 @@ def log_softmax(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape
 @register_rule("aten.scaled_dot_product_attention", "aten._scaled_dot_product_flash_attention_for_cpu",
                "aten._scaled_dot_product_efficient_attention", "aten._scaled_dot_product_flash_attention",
                "aten._scaled_dot_product_cudnn_attention", "aten._scaled_dot_product_attention_math",
-               "aten._scaled_dot_product_fused_attention_overrideable")
+               "aten._scaled_dot_product_fused_attention_overrideable", overloads=("default",),
+               reads=("query", "key", "value", "attn_mask", "attn_bias", "dropout_p", "is_causal", "scale",
+                      "enable_gqa", "return_debug_mask", "compute_log_sumexp"), default_only=("dropout_mask",))
 def scaled_dot_product_attention(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> Any:
     q, k, v = a["query"], a["key"], a["value"]
     mask = a.get("attn_mask", a.get("attn_bias"))
@@ -203,21 +224,21 @@ def _value_spread(it: VelocityInterpreter, node: Any, v: AValue) -> Poly:
 
 def recognize_softmax(it: VelocityInterpreter, n: torch.fx.Node, shape: Sequence[int]) -> Optional[AValue]:
     """exp(z) / sum(exp(z), dim, keepdim) -> softmax of z along dim."""
-    e, s = n.args[0], strip_casts(n.args[1])
-    if target_name(s) != "aten.sum" or not is_same(s.args[0], e):
+    e, s = n.args[0], strip_exact_casts(n.args[1], it.g.env)
+    if target_name(s) != "aten.sum" or not is_same_value(s.args[0], e, it.g.env):
         return None
-    e0 = strip_casts(e)
+    e0 = strip_exact_casts(e, it.g.env)
     if target_name(e0) != "aten.exp":
         return None
     nd = it.g.env[e0.name].dim()
     b = bind_args(s) or {}
     dims = b.get("dim")
-    if dims is None or len(dims) != 1 or not b.get("keepdim", False):
+    if dims is None or len(dims) != 1 or not b.get("keepdim", False) or b.get("dtype") is not None:
         return None
     z = e0.args[0]
     zv = it.value(z)
     if not isinstance(zv, AValue) or zv.const:
         return None
-    zs = strip_casts(z)
+    zs = strip_exact_casts(z, it.g.env)
     return softmax_value(zv, tuple(shape), int(dims[0]) % nd, "softmax written as exp/sum (recognized)",
                          deps=(zs.name if isinstance(zs, torch.fx.Node) else "",))

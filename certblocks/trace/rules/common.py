@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 
+import torch
+
 from ...bounds.poly import Poly
 from ...exponents import Exponents
-from ..values import AValue
+from ..values import AValue, max_abs, row_norm
 
 __all__ = [
     "KEEP",
@@ -20,6 +22,13 @@ __all__ = [
     "pmax",
     "sign_mul",
     "flip_sign",
+    "switched",
+    "bounded_discontinuous",
+    "const_row_norm",
+    "unit_roundoff",
+    "rounding_factor",
+    "floor_in",
+    "scalar_arg",
 ]
 
 #: ``sign=KEEP`` in :func:`scaled`: the result has the input's sign.
@@ -46,25 +55,32 @@ def sqrt_last(shape: Sequence[int]) -> float:
     return math.sqrt(shape[-1] if shape else 1)
 
 
-def scaled(x: AValue, shape: Sequence[int], factor: float, *, via_entries: bool = False, rule: str = "",
-           sign: Optional[str] = KEEP, add: float = 0.0) -> AValue:
+def scaled(x: AValue, shape: Sequence[int], factor: float, *, entry_factor: float, via_entries: bool = False,
+           rule: str = "", sign: Optional[str] = KEEP, add: float = 0.0, add_entry: float = 0.0) -> AValue:
     """A value with ``x``'s exponents whose row norm and Jacobian bounds are ``x``'s times ``factor``.
+
+    The three bounds move together (docs/theory.md section 2): the row norm and the Jacobian by ``factor``, every
+    entry by ``entry_factor`` (``1`` for ops that move or copy entries, the op's own factor for ops that scale
+    or sum them), so that no rule can scale a value's rows and forget its entries.
 
     Args:
         x: the input's abstract value.
         shape: the output's shape.
         factor: the row-norm (and Jacobian) factor.
+        entry_factor: the factor on the bound of every entry (``|out_i| <= entry_factor * max|x| + add_entry``).
         via_entries: bound the rows through ``x``'s entries (``factor`` then includes the ``sqrt`` of a row).
         rule: the rule's name in reports.
         sign: the output's sign (:data:`KEEP`: ``x``'s).
-        add: a constant added to the row norm and max-abs bounds.
+        add: a constant added to the row norm bound.
+        add_entry: a constant added to the entry bound.
     """
     base = x.entry_bound() if via_entries else x.growth
+    entries = x.entry_bound()
     return AValue(exps=x.exps, shape=tuple(shape),
                   growth=None if base is None else base.scale(factor) + Poly.const(add),
-                  max_abs=x.max_abs + Poly.const(add) if add and x.max_abs is not None else x.max_abs,
+                  max_abs=None if entries is None else entries.scale(entry_factor) + Poly.const(add_entry),
                   jacobian=None if x.jacobian is None else x.jacobian.scale(factor),
-                  sign=x.sign if sign == KEEP else sign, rule=rule)
+                  sign=x.sign if sign == KEEP else sign, row_sum=x.row_sum, rule=rule)
 
 
 def broadcast_factor(shape: Sequence[int], out_shape: Sequence[int]) -> float:
@@ -88,6 +104,68 @@ def view_factor(in_shape: Sequence[int], out_shape: Sequence[int]) -> Tuple[floa
     if b > a and a > 0 and b % a == 0:
         return math.sqrt(b // a), False  # each new row concatenates b/a old rows
     return math.sqrt(max(b, 1)), True  # entries: N <= sqrt(last) * max|.|
+
+
+def const_row_norm(c: torch.Tensor, out_shape: Sequence[int]) -> float:
+    """Row norm of a constant broadcast to ``out_shape``: its own row norm, or ``sqrt(last) max|c|`` when its last
+    dimension (size 1, or none for a 0-d tensor) is broadcast along the output's rows."""
+    last = c.shape[-1] if c.dim() else 1
+    out_last = out_shape[-1] if len(out_shape) else 1
+    if last == 1 and out_last > 1:
+        return max_abs(c) * math.sqrt(out_last)
+    return row_norm(c)
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Relative rounding error of a float dtype (half its machine epsilon; 0 for a dtype that is not a float)."""
+    if dtype.is_floating_point or dtype.is_complex:
+        real = {torch.complex32: torch.float16, torch.complex64: torch.float32,
+                torch.complex128: torch.float64}.get(dtype, dtype)
+        return torch.finfo(real).eps / 2
+    return 0.0
+
+
+def rounding_factor(src: Optional[torch.dtype], dst: Optional[torch.dtype]) -> float:
+    """Factor on the magnitude of a value cast from ``src`` to ``dst``: ``1 + u(dst)`` when the cast rounds
+    (a coarser float, or an integer to a float), else 1 (round to nearest: ``|fl(v)| <= (1 + u) |v|``)."""
+    if src is None or dst is None or not (dst.is_floating_point or dst.is_complex):
+        return 1.0
+    u_dst = unit_roundoff(dst)
+    if (src.is_floating_point or src.is_complex) and unit_roundoff(src) >= u_dst:
+        return 1.0
+    return 1.0 + u_dst
+
+
+def floor_in(m: float, dtype: Optional[torch.dtype]) -> float:
+    """The largest value of ``dtype`` at most ``m`` (a lower bound of any value ``>= m`` rounded into it).
+
+    Round to nearest is monotone, so a value ``v >= m`` computed or cast into ``dtype`` is ``>= fl(m) >=`` this
+    (``m`` itself is first lowered by a float64 rounding margin).  Integers floor, booleans are 1 only above 0.
+    """
+    m = m - abs(m) * 2.0**-50
+    if dtype is None or dtype == torch.float64:
+        return m
+    if dtype == torch.bool:
+        return 1.0 if m > 0 else 0.0
+    if not (dtype.is_floating_point or dtype.is_complex):
+        return float(math.floor(m))
+    real = {torch.complex64: torch.float32, torch.complex128: torch.float64}.get(dtype, dtype)
+    t = torch.tensor(m, dtype=torch.float64).to(real)
+    if float(t) > m:
+        t = torch.nextafter(t, torch.tensor(-math.inf, dtype=real))
+    return float(t)
+
+
+def scalar_arg(v: Any, default: float) -> Optional[float]:
+    """A Python-number argument as a float (``default`` for ``None``; the modulus of a complex); ``None`` for a
+    tensor."""
+    if isinstance(v, AValue):
+        return None
+    if v is None:
+        return default
+    if isinstance(v, complex):
+        return abs(v)
+    return float(v)
 
 
 def pmax(polys: Iterable[Optional[Poly]]) -> Optional[Poly]:
@@ -116,6 +194,13 @@ def sign_mul(s1: Optional[str], s2: Optional[str]) -> Optional[str]:
 def flip_sign(s: Optional[str]) -> Optional[str]:
     """Sign of a negated value."""
     return _FLIP.get(s)
+
+
+def bounded_discontinuous(shape: Sequence[int], level: float, rule: str, bad: str, sign: Optional[str] = "+") -> AValue:
+    """A value bounded by ``level`` entrywise that jumps with the input: ``q = 0``, ``sigma`` not derived (an index
+    computed from the input is bounded by its range, a boolean by 1, whatever the example says)."""
+    return AValue(exps=Exponents(0, None), shape=tuple(shape), growth=Poly.const(level * sqrt_last(shape)),
+                  max_abs=Poly.const(level), sign=sign, rule=rule, bad=bad)
 
 
 def switched(out: AValue, why: str) -> AValue:

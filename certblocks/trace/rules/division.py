@@ -8,7 +8,10 @@ A division by an input-dependent tensor ``d`` is outside the class in general (`
 
 :func:`lower_bound` proves the minimum from the graph: constants (their smallest entry), values with a
 proven sign ``"+"`` (minimum 0), sums ``a + alpha b`` (``alpha >= 0``), clamps and maxima from below, positive
-multiples, means, and the ops that only move or copy entries.
+multiples, means, and the ops that only move or copy entries.  Every minimum is carried through the rounding of
+the node that computes it: round to nearest is monotone, so a value ``>= m`` computed or cast into a dtype is
+``>=`` the largest number of that dtype below ``m`` (:func:`~.common.floor_in`; an ``eps`` that a cast to float16
+rounds to 0 proves nothing), and a mean of ``n`` entries loses at most ``n`` roundings.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from ..nodes import IDENTITY_OPS, VIEW_OPS, bind_args, target_name
 from ..values import AValue
 from .arithmetic import as_value, hadamard, linear_sum, multiply, product_shape
 from .attention import recognize_softmax
-from .common import sqrt_last, unknown
+from .common import floor_in, scalar_arg, sqrt_last, unit_roundoff, unknown
 from .normalizations import recognize_norm
 from .registry import register_rule
 
@@ -41,7 +44,7 @@ Shape = Tuple[int, ...]
 _ENTRY_OPS = (IDENTITY_OPS - {"aten.copy", "aten.fill_"}) | VIEW_OPS | frozenset({
     "aten.expand", "aten.expand_as", "aten.broadcast_to", "aten.permute", "aten.transpose", "aten.t",
     "aten.slice", "aten.select", "aten.narrow", "aten.index_select", "aten.repeat", "aten.flip", "aten.roll",
-    "aten.mean", "aten.amax", "aten.amin",
+    "aten.amax", "aten.amin",
 })
 #: How deep :func:`lower_bound` follows a denominator's producers.
 _DEPTH = 24
@@ -74,7 +77,7 @@ def lower_bound(it: VelocityInterpreter, n: Any, depth: int = 0) -> Optional[flo
     b = bind_args(n) or {}
     found: Optional[float] = None
     if t == "aten.add":
-        alpha = b.get("alpha", 1)
+        alpha = 1 if b.get("alpha") is None else b["alpha"]
         if isinstance(alpha, (int, float)) and alpha >= 0:
             lo, hi = lower_bound(it, b.get("self"), depth + 1), lower_bound(it, b.get("other"), depth + 1)
             found = None if lo is None or hi is None else lo + float(alpha) * hi
@@ -93,11 +96,22 @@ def lower_bound(it: VelocityInterpreter, n: Any, depth: int = 0) -> Optional[flo
             found = lo * hi  # a product of entries >= lo >= 0 and >= hi >= 0
     elif t in ("aten.copy", "aten.fill_"):
         found = lower_bound(it, b.get("src", b.get("value")), depth + 1)
+    elif t == "aten.mean" and n.args:
+        found = lower_bound(it, n.args[0], depth + 1)
+        src, out = it.g.env.get(getattr(n.args[0], "name", "")), it.g.env.get(n.name)
+        if found is not None and isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor):
+            # a sum of k terms >= m and a division: at most k + 1 roundings of relative size u each
+            k = max(src.numel() // max(out.numel(), 1), 1)
+            slack = (k + 1) * unit_roundoff(out.dtype)
+            found = found * (1 - slack) if found > 0 else found * (1 + slack)
     elif t in _ENTRY_OPS and n.args:
         found = lower_bound(it, n.args[0], depth + 1)
     sign = av.sign if isinstance(av, AValue) else None
     if sign in ("+", "0"):
         found = max(found if found is not None else 0.0, 0.0)
+    out = it.g.env.get(n.name)
+    if found is not None and isinstance(out, torch.Tensor):
+        found = floor_in(found, out.dtype)  # the node's own rounding (a cast, or the op computed in its dtype)
     return found
 
 
@@ -111,9 +125,9 @@ def reciprocal(den: AValue, m: float, rule: str) -> AValue:
 def _inverse(it: VelocityInterpreter, node: Any, den: Union[AValue, float]) -> Union[AValue, str]:
     """The abstract value of ``1 / den`` (``node`` its graph argument), or why it has none."""
     if not isinstance(den, AValue):
-        if float(den) == 0:
+        if den == 0:
             return "division by zero"
-        return AValue.constant(torch.as_tensor(1.0 / float(den)))
+        return AValue.constant(torch.as_tensor(1.0 / den))
     if den.const:
         if bool((den.value == 0).any()):
             return "division by a constant with zeros"
@@ -126,11 +140,11 @@ def _inverse(it: VelocityInterpreter, node: Any, den: Union[AValue, float]) -> U
     return reciprocal(den, m, f"reciprocal of {name} >= {m:.4g} (bounded, Lipschitz)")
 
 
-@register_rule("aten.div", "aten.divide", "aten.true_divide")
+@register_rule("aten.div", "aten.divide", "aten.true_divide", reads=("self", "other", "rounding_mode"))
 def div(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
     x, y = a["self"], a["other"]
     if a.get("rounding_mode") is not None:
-        return unknown(shape, "div with rounding (discontinuous)")
+        return unknown(shape, f"div with rounding_mode={a['rounding_mode']!r} (discontinuous)")
     rec = recognize_norm(it, n, shape) or recognize_softmax(it, n, shape)
     if rec is not None:
         return rec
@@ -138,19 +152,19 @@ def div(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AVa
     if isinstance(inv, str):
         return unknown(shape, inv)
     if not isinstance(y, AValue):
-        return multiply(n, x, 1.0 / float(y), shape)
+        return multiply(n, x, 1.0 / y, shape)
     out = multiply(n, x, inv, shape)
     if not y.const:
         out.rule = f"div by a denominator >= a proven minimum (product with its reciprocal; {inv.rule})"
     return out
 
 
-@register_rule("aten.addcdiv")
+@register_rule("aten.addcdiv", reads=("self", "tensor1", "tensor2", "value"))
 def addcdiv(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
     """``self + value * tensor1 / tensor2``: the denominator is a constant without zeros, or has a proven minimum."""
-    value = a.get("value", 1)
-    if isinstance(value, AValue):
-        return unknown(shape, "addcdiv with a tensor value")
+    value = scalar_arg(a.get("value"), 1.0)
+    if value is None or isinstance(a.get("value"), complex):
+        return unknown(shape, f"addcdiv with value={a.get('value')!r} (a tensor or a complex number)")
     t1 = as_value(a["tensor1"])
     inv = _inverse(it, (bind_args(n) or {}).get("tensor2"), a["tensor2"])
     if isinstance(inv, str):

@@ -69,8 +69,9 @@ def data_dependent_read(x: AValue, shape: Shape, rows_kept: bool, what: str) -> 
 
     ``rows_kept``: every row of the result is a whole row of ``x`` (the last dimension is not indexed).
     """
-    out = scaled(x, shape, 1.0 if rows_kept else sqrt_last(shape), via_entries=not rows_kept,
-                 rule=f"{what} by an input-dependent index (entries of the source; discontinuous)")
+    out = scaled(x, shape, 1.0 if rows_kept else sqrt_last(shape), entry_factor=1.0, via_entries=not rows_kept,
+                 rule=f"{what} by an input-dependent index (entries of the source, whatever the index; "
+                      "discontinuous)")
     out.exps = Exponents(x.exps.q, None)
     out.jacobian = None
     out.bad = f"discontinuous ({what} by an index that depends on the input)"
@@ -81,7 +82,7 @@ def _last(dim: int, ndim: int) -> bool:
     return ndim == 0 or dim % ndim == ndim - 1
 
 
-@register_rule("aten.gather")
+@register_rule("aten.gather", reads=("self", "dim", "index", "sparse_grad"))
 def gather(it: Any, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
     """``out[i, j, k] = x[i, index[i, j, k], k]`` (``dim=1``).
 
@@ -96,10 +97,10 @@ def gather(it: Any, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
         return data_dependent_read(x, shape, False, "gather")
     size = x.shape[dim] if x.ndim else 1
     f = repeat_factor(idx.value, size) if last else distinct_factor(idx.value, size)
-    return scaled(x, shape, f, rule=f"gather with a constant index (row factor {f:.3g})")
+    return scaled(x, shape, f, entry_factor=1.0, rule=f"gather with a constant index (row factor {f:.3g})")
 
 
-@register_rule("aten.index_select")
+@register_rule("aten.index_select", reads=("self", "dim", "index"))
 def index_select(it: Any, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
     """Rows of ``x`` (another dimension: the same row norms), or entries of each row (the last: repetitions)."""
     x, idx = a["self"], a["index"]
@@ -108,36 +109,39 @@ def index_select(it: Any, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
     if not idx.const:
         return data_dependent_read(x, shape, not last, "index_select")
     f = repeat_factor(idx.value.reshape(1, -1), x.shape[dim] if x.ndim else 1) if last else 1.0
-    out = scaled(x, shape, f, rule="structural (index_select)")
-    out.stochastic_dim = None if last else x.stochastic_dim
+    out = scaled(x, shape, f, entry_factor=1.0, rule="structural (index_select)")
+    out.stochastic_dim = None if last or x.stochastic_dim is None or x.stochastic_dim % max(x.ndim, 1) != x.ndim - 1 \
+        else -1
     return out
 
 
-@register_rule("aten.index")
+@register_rule("aten.index", overloads=("Tensor", "Tensor_hacked_twin"), reads=("self", "indices"))
 def index(it: Any, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
     """``x[i0, i1, ...]`` with index tensors (advanced indexing; ``None`` is a full slice).
 
     With the last dimension not indexed every row of the result is a row of ``x``.  With only the last
-    dimension indexed (``x[..., idx]``) a row of the result repeats entries of one row of ``x``; any other
-    pattern is bounded through the entries.
+    dimension indexed by integers (``x[..., idx]``) a row of the result repeats entries of one row of ``x``; any
+    other pattern (a boolean mask, which stands for as many dims as it has) is bounded through the entries.
     """
     x = a["self"]
     indices: List[Any] = list(a["indices"])
-    last_indexed = len(indices) == max(x.ndim, 1) and indices[-1] is not None
     tensors = [i for i in indices if isinstance(i, AValue)]
+    masks = [i for i in tensors if i.const and i.value is not None and i.value.dtype == torch.bool]
+    consumed = sum(i.ndim if any(i is m for m in masks) else 1 for i in indices)
+    last_indexed = bool(masks) or (consumed == max(x.ndim, 1) and indices[-1] is not None)
     if not all(i.const for i in tensors):
         return data_dependent_read(x, shape, not last_indexed, "index")
     if not last_indexed:
-        return scaled(x, shape, 1.0, rule="index (rows of the source)")
-    only_last = all(i is None for i in indices[:-1])
-    idx = indices[-1].value
-    if only_last and idx.dim() >= 1 and not idx.dtype == torch.bool:
-        f = repeat_factor(idx, x.shape[-1])
-        return scaled(x, shape, f, rule=f"index of the last dimension (row factor {f:.3g})")
-    return scaled(x, shape, sqrt_last(shape), via_entries=True, rule="index (entries of the source)")
+        return scaled(x, shape, 1.0, entry_factor=1.0, rule="index (rows of the source)")
+    only_last = not masks and all(i is None for i in indices[:-1])
+    if only_last and indices[-1].ndim >= 1:
+        f = repeat_factor(indices[-1].value, x.shape[-1])
+        return scaled(x, shape, f, entry_factor=1.0, rule=f"index of the last dimension (row factor {f:.3g})")
+    return scaled(x, shape, sqrt_last(shape), entry_factor=1.0, via_entries=True, rule="index (entries of the source)")
 
 
-@register_rule("aten.slice_scatter", "aten.select_scatter")
+@register_rule("aten.slice_scatter", "aten.select_scatter",
+               reads=("self", "src", "dim", "start", "end", "step", "index"))
 def scatter_into(it: Any, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
     """``base`` with a slice (or a selected index) of ``dim`` replaced by ``src``.
 

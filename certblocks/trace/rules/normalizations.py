@@ -18,9 +18,9 @@ import torch
 from ... import exponents as E
 from ...bounds.normalization import norm_bounds
 from ...bounds.poly import Poly
-from ..nodes import bind_args, is_same, op_name, strip_casts, target_name
+from ..nodes import bind_args, is_same_value, op_name, strip_exact_casts, target_name
 from ..values import AValue, max_abs
-from .common import unknown
+from .common import floor_in, sqrt_last, unknown
 from .registry import register_rule
 
 if TYPE_CHECKING:
@@ -48,7 +48,8 @@ def _worst_row(t: torch.Tensor) -> torch.Tensor:
     return rows[int(torch.linalg.vector_norm(rows.double(), dim=-1).argmax())]
 
 
-@register_rule("aten.layer_norm", "aten.native_layer_norm")
+@register_rule("aten.layer_norm", "aten.native_layer_norm",
+               reads=("input", "normalized_shape", "weight", "bias", "eps"))
 def layer_norm(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> Any:
     x, w, b, eps = a["input"], a.get("weight"), a.get("bias"), float(a.get("eps", 1e-5))
     for p in (w, b):
@@ -68,7 +69,7 @@ def layer_norm(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape)
     return out
 
 
-@register_rule("aten.rms_norm")
+@register_rule("aten.rms_norm", reads=("input", "normalized_shape", "weight", "eps"))
 def rms_norm(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
     x, w, eps = a["input"], a.get("weight"), a.get("eps")
     if isinstance(w, AValue) and not w.const:
@@ -83,14 +84,20 @@ def rms_norm(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -
     return norm_value(x, shape, bound, jac, "(RMSNorm)")
 
 
-@register_rule("aten.group_norm")
+@register_rule("aten.group_norm", reads=("input", "num_groups", "weight", "bias", "eps"))
 def group_norm(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
+    """GroupNorm over ``num_groups`` groups of channels (dim 1) and the spatial dims, with a constant per-channel
+    affine map: a group's normalized entries have squared sum at most its size, a row (spatial last dim, or the
+    channels of a 2-D input) lies in one group or spans all of them."""
     x, w, b = a["input"], a.get("weight"), a.get("bias")
+    for p in (w, b):
+        if isinstance(p, AValue) and not p.const:
+            return unknown(shape, "group_norm with input-dependent affine parameters")
     groups, eps = int(a["num_groups"]), float(a.get("eps", 1e-5))
     if eps <= 0:
-        return unknown(shape, "group_norm with eps <= 0")
+        return unknown(shape, f"group_norm with eps={eps:g} (Jacobian unbounded)")
     channels = x.shape[1]
-    group_numel = (channels // groups) * int(torch.tensor(x.shape[2:]).prod()) if x.ndim > 2 else channels // groups
+    group_numel = (channels // groups) * math.prod(x.shape[2:])
     gmax = max_abs(w.value) if isinstance(w, AValue) else 1.0
     bmax = max_abs(b.value) if isinstance(b, AValue) else 0.0
     bound = gmax * math.sqrt(groups * group_numel) + bmax * math.sqrt(shape[-1])
@@ -99,9 +106,12 @@ def group_norm(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape)
 
 
 @register_rule("aten.batch_norm", "aten._native_batch_norm_legit_no_training", "aten.native_batch_norm",
-               "aten._native_batch_norm_legit", "aten.instance_norm")
+               "aten._native_batch_norm_legit", "aten.instance_norm", overloads=("default",),
+               reads=("input", "weight", "bias", "running_mean", "running_var", "training", "use_input_stats",
+                      "momentum", "eps"))
 def batch_norm(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> Any:
-    """In eval mode batch_norm uses running statistics: an affine map per channel, not a normalization."""
+    """In eval mode batch_norm uses running statistics: an affine map per channel, not a normalization
+    (``momentum`` only updates the running statistics in training).  With batch statistics it is refused."""
     x = a["input"]
     training = a.get("training", a.get("use_input_stats", False))
     name = op_name(n.target)
@@ -114,29 +124,37 @@ def batch_norm(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape)
     for p in (w, b, rm, rv):
         if isinstance(p, AValue) and not p.const:
             return unknown(shape, "batch_norm with input-dependent statistics")
+    if not isinstance(rv, AValue) or not isinstance(rm, AValue):
+        return unknown(shape, f"{name} in eval mode without running statistics")
     channels = x.shape[1]
     ones, zeros = torch.ones(channels, dtype=torch.float64), torch.zeros(channels, dtype=torch.float64)
-    var = rv.value.double() if isinstance(rv, AValue) else ones
-    mean = rm.value.double() if isinstance(rm, AValue) else zeros
+    var, mean = rv.value.double(), rm.value.double()
     g = w.value.double() if isinstance(w, AValue) else ones
     beta = b.value.double() if isinstance(b, AValue) else zeros
+    if not bool((var + eps > 0).all()):
+        return unknown(shape, f"{name} with running_var + eps <= 0")
     scale = g / torch.sqrt(var + eps)
     shift = beta - mean * scale
     s = float(scale.abs().max()) * (1 + 1e-9)
-    sh = float(shift.abs().max())
+    sh = float(shift.abs().max()) * (1 + 1e-9)
     conc = it.g.env.get(n.name)
     if isinstance(conc, (tuple, list)):
         shape = tuple(conc[0].shape)
-    growth = None if x.growth is None else x.growth.scale(s) + Poly.const(sh * math.sqrt(shape[-1]))
-    out = AValue(exps=x.exps, shape=shape, growth=growth, max_abs=growth,
+    entries = x.entry_bound()
+    growth = None if x.growth is None else x.growth.scale(s) + Poly.const(sh * sqrt_last(shape))
+    out = AValue(exps=x.exps, shape=shape, growth=growth,
+                 max_abs=None if entries is None else entries.scale(s) + Poly.const(sh),
                  jacobian=None if x.jacobian is None else x.jacobian.scale(s),
                  rule="affine (batch_norm in eval mode uses running statistics: an affine map, not a normalization)")
-    if name != "aten.batch_norm":
-        return [out] + [AValue.constant(c) for c in it.g.env[n.name][1:]]
+    if isinstance(conc, (tuple, list)):
+        # the saved statistics: empty in eval mode (a constant); anything else is not derived
+        return [out] + [AValue.constant(c) if isinstance(c, torch.Tensor) and c.numel() == 0
+                        else AValue.unknown(tuple(getattr(c, "shape", ())), "batch_norm statistics")
+                        for c in conc[1:]]
     return out
 
 
-# ---------------------------------------------------------------------------------------------- recognizer
+# ------------------------------------------------------------------------------------------ recognizer
 def _const_scalar(it: VelocityInterpreter, x: Any) -> Optional[float]:
     """The value of a Python number or of a constant tensor whose entries are all equal (``None`` otherwise)."""
     if isinstance(x, (int, float)) and not isinstance(x, bool):
@@ -145,10 +163,40 @@ def _const_scalar(it: VelocityInterpreter, x: Any) -> Optional[float]:
         v = it.values.get(x.name)
         if v is not None and not v.const:
             return None
-        c = it.g.env.get(x.name)
+        c = it.example(x)
         if isinstance(c, torch.Tensor) and c.numel() >= 1:
             if bool((c == c.reshape(-1)[0]).all()):
                 return float(c.reshape(-1)[0])
+    return None
+
+
+def _strip(it: VelocityInterpreter, n: Any) -> Any:
+    """``n`` behind the casts that keep its values exactly (a recognizer must not see through a rounding cast)."""
+    return strip_exact_casts(n, it.g.env)
+
+
+def _same(it: VelocityInterpreter, n1: Any, n2: Any) -> bool:
+    return is_same_value(n1, n2, it.g.env)
+
+
+def _unit_alpha(n: torch.fx.Node) -> bool:
+    """An ``add``/``sub`` node with ``alpha = 1`` (its second operand not scaled)."""
+    alpha = (bind_args(n) or {}).get("alpha")
+    return alpha is None or (isinstance(alpha, (int, float)) and float(alpha) == 1.0)
+
+
+def _plus_eps(it: VelocityInterpreter, n: Any) -> Optional[Tuple[Any, float]]:
+    """``(s, eps)`` when ``n`` is ``s + eps`` (``alpha = 1``) with a constant ``eps > 0`` as it is rounded into the
+    sum's dtype (:func:`~.common.floor_in`: ``s + eps >= fl(eps)`` for ``s >= 0``; an ``eps`` that rounds to 0
+    there gives ``None``)."""
+    if target_name(n) != "aten.add" or not _unit_alpha(n) or len(n.args) < 2:
+        return None
+    for s, e in ((n.args[0], n.args[1]), (n.args[1], n.args[0])):
+        eps = _const_scalar(it, e)
+        if eps is not None and eps > 0:
+            out = it.g.env.get(n.name)
+            eps = floor_in(eps, out.dtype) if isinstance(out, torch.Tensor) else eps
+            return (s, eps) if eps > 0 else None
     return None
 
 
@@ -157,24 +205,24 @@ def _sum_of_squares(it: VelocityInterpreter, n: Any, a: Any, any_dim: bool = Fal
 
     With ``any_dim`` the reduction may run over any single dimension; :func:`_norm_dim` tells which.
     """
-    n = strip_casts(n)
+    n = _strip(it, n)
     t = target_name(n)
     if t not in ("aten.mean", "aten.sum"):
         return None
-    sq = strip_casts(n.args[0])
+    sq = _strip(it, n.args[0])
     st = target_name(sq)
-    ok = (st in ("aten.pow",) and len(sq.args) > 1 and sq.args[1] == 2 and is_same(sq.args[0], a)) or \
-         (st == "aten.square" and is_same(sq.args[0], a)) or \
-         (st == "aten.mul" and is_same(sq.args[0], a) and is_same(sq.args[1], a))
+    ok = (st in ("aten.pow",) and len(sq.args) > 1 and sq.args[1] == 2 and _same(it, sq.args[0], a)) or \
+         (st == "aten.square" and _same(it, sq.args[0], a)) or \
+         (st == "aten.mul" and _same(it, sq.args[0], a) and _same(it, sq.args[1], a))
     if not ok:
         return None
-    base = strip_casts(a)
+    base = _strip(it, a)
     aval = it.g.env[base.name] if isinstance(base, torch.fx.Node) else None
     if aval is None:
         return None
     nd = aval.dim()
-    dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
-    keep = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
+    b = bind_args(n) or {}
+    dims, keep = b.get("dim"), b.get("keepdim", False)
     if dims is None or len(dims) != 1 or not keep or (not any_dim and int(dims[0]) % nd != nd - 1):
         return None
     return 1.0 / aval.shape[int(dims[0]) % nd] if t == "aten.mean" else 1.0
@@ -182,33 +230,32 @@ def _sum_of_squares(it: VelocityInterpreter, n: Any, a: Any, any_dim: bool = Fal
 
 def _norm_dim(it: VelocityInterpreter, den: Any, a: Any) -> Optional[int]:
     """The dimension a recognized ``rsqrt(k |a|^2 + eps)`` denominator reduces over (None if not that form)."""
-    den = strip_casts(den)
+    den = _strip(it, den)
     if target_name(den) != "aten.rsqrt":
         return None
-    inner = strip_casts(den.args[0])
-    if target_name(inner) != "aten.add":
+    parts = _plus_eps(it, _strip(it, den.args[0]))
+    if parts is None:
         return None
-    for s in inner.args[:2]:
-        s = strip_casts(s)
-        if isinstance(s, torch.fx.Node) and _sum_of_squares(it, s, a, any_dim=True) is not None:
-            dims = s.args[1] if len(s.args) > 1 else s.kwargs.get("dim")
-            return int(dims[0]) % it.g.env[strip_casts(a).name].dim()
+    s = _strip(it, parts[0])
+    if isinstance(s, torch.fx.Node) and _sum_of_squares(it, s, a, any_dim=True) is not None:
+        dims = (bind_args(s) or {}).get("dim")
+        return int(dims[0]) % it.g.env[_strip(it, a).name].dim()
     return None
 
 
 def _var_of(it: VelocityInterpreter, n: Any, a: Any) -> Optional[float]:
     """var(y, last, keepdim) where a = y - mean(y, last, keepdim): returns 1/(d - correction) (k |a|^2)."""
-    n = strip_casts(n)
+    n = _strip(it, n)
     if target_name(n) != "aten.var":
         return None
-    a = strip_casts(a)
-    if target_name(a) != "aten.sub":
+    a = _strip(it, a)
+    if target_name(a) != "aten.sub" or not _unit_alpha(a):
         return None
-    y, m = a.args[0], strip_casts(a.args[1])
-    if target_name(m) != "aten.mean" or not is_same(m.args[0], y) or not is_same(n.args[0], y):
+    y, m = a.args[0], _strip(it, a.args[1])
+    if target_name(m) != "aten.mean" or not _same(it, m.args[0], y) or not _same(it, n.args[0], y):
         return None
     mb = bind_args(m) or {}
-    yv = it.g.env[strip_casts(y).name]
+    yv = it.g.env[_strip(it, y).name]
     nd = yv.dim()
     if mb.get("dim") is None or [int(d) % nd for d in mb["dim"]] != [nd - 1] or not mb.get("keepdim", False):
         return None  # the centring must be over the normalized (last) dimension
@@ -232,11 +279,11 @@ def _var_of(it: VelocityInterpreter, n: Any, a: Any) -> Optional[float]:
 
 def _is_last_dim_l2_norm(it: VelocityInterpreter, n: Any, a: Any) -> bool:
     """``n`` is ``||a||_2`` over the last dimension with ``keepdim``."""
-    if target_name(n) not in ("aten.linalg_vector_norm", "aten.norm") or not is_same(n.args[0], a):
+    if target_name(n) not in ("aten.linalg_vector_norm", "aten.norm") or not _same(it, n.args[0], a):
         return False
     b = bind_args(n) or {}
     ordv = b.get("ord", b.get("p", 2))
-    nd = it.g.env[strip_casts(a).name].dim()
+    nd = it.g.env[_strip(it, a).name].dim()
     dims = b.get("dim")
     return (ordv in (None, 2, 2.0)) and dims is not None and [int(d) % nd for d in dims] == [nd - 1] \
         and bool(b.get("keepdim", False))
@@ -246,45 +293,49 @@ def _denominator_k_eps(it: VelocityInterpreter, den: Any, a: Any,
                        inverse: bool) -> Optional[Tuple[float, float, bool]]:
     """Recognize a denominator sqrt(k |a|^2 + eps) (or ||a|| + eps, max(||a||, eps)).
 
-    Returns (k, eps, sqrt_form) or None.  ``inverse`` asks for rsqrt(...) (a multiplier).
+    Returns (k, eps, sqrt_form) or None.  ``inverse`` asks for rsqrt(...) (a multiplier).  ``eps`` is the one the
+    graph computes with (rounded into the dtype of the op that adds it or clamps by it).
     """
-    den = strip_casts(den)
+    den = _strip(it, den)
     t = target_name(den)
     if inverse:
         if t == "aten.reciprocal":
             return _denominator_k_eps(it, den.args[0], a, False)
         if t != "aten.rsqrt":
             return None
-        inner = strip_casts(den.args[0])
+        inner = _strip(it, den.args[0])
     elif t in ("aten.linalg_vector_norm", "aten.norm"):
         return (1.0, 0.0, False) if _is_last_dim_l2_norm(it, den, a) else None  # x / ||x|| without eps
     elif t == "aten.sqrt":
-        inner = strip_casts(den.args[0])
-    elif t in ("aten.clamp_min", "aten.clamp", "aten.add", "aten.maximum"):
-        base = strip_casts(den.args[0])
-        if t == "aten.clamp":
-            eps = _const_scalar(it, den.args[1] if len(den.args) > 1 else den.kwargs.get("min"))
-        else:
-            eps = _const_scalar(it, den.args[1])
+        inner = _strip(it, den.args[0])
+    elif t in ("aten.clamp_min", "aten.clamp", "aten.maximum"):
+        db = bind_args(den) or {}
+        if t == "aten.clamp" and db.get("max") is not None:
+            return None  # clamped from above too: x / M for ||x|| > M is not bounded
+        eps = _const_scalar(it, db.get("min", db.get("other")))
+        out = it.g.env.get(den.name)
+        eps = floor_in(eps, out.dtype) if eps is not None and isinstance(out, torch.Tensor) else eps
         if eps is None or eps <= 0:
             return None
+        return (1.0, eps, False) if _is_last_dim_l2_norm(it, _strip(it, den.args[0]), a) else None
+    elif t == "aten.add":
+        parts = _plus_eps(it, den)
+        if parts is None:
+            return None
+        base, eps = _strip(it, parts[0]), parts[1]
         if _is_last_dim_l2_norm(it, base, a):
             return (1.0, eps, False)
-        if t == "aten.add" and target_name(base) == "aten.sqrt":
+        if target_name(base) == "aten.sqrt":
             k = _sum_of_squares(it, base.args[0], a)
             if k is not None:
                 return (k, eps, False)
         return None
     else:
         return None
-    if target_name(inner) != "aten.add":
+    parts = _plus_eps(it, inner)
+    if parts is None:
         return None
-    eps = _const_scalar(it, inner.args[1])
-    s = inner.args[0]
-    if eps is None:
-        eps, s = _const_scalar(it, inner.args[0]), inner.args[1]
-    if eps is None or eps <= 0:
-        return None
+    s, eps = parts
     k = _sum_of_squares(it, s, a, any_dim=inverse)
     if k is None:
         k = _var_of(it, s, a)
@@ -299,15 +350,16 @@ def _candidates(it: VelocityInterpreter, pairs: Sequence[Tuple[Any, Any]]) -> li
     for a, den in pairs:
         out.append((a, den, 1.0))
         # (c * a) / N(a) with a constant c: the normalization of a, scaled by max|c|
-        a0 = strip_casts(a)
+        a0 = _strip(it, a)
         if target_name(a0) == "aten.mul":
             for i in (0, 1):
                 c, other = a0.args[i], a0.args[1 - i]
                 cv = _const_scalar(it, c) if not isinstance(c, torch.fx.Node) else None
                 if isinstance(c, torch.fx.Node):
                     v = it.values.get(c.name)
-                    if (v is None or v.const) and isinstance(it.g.env.get(c.name), torch.Tensor):
-                        cv = max_abs(it.g.env[c.name])
+                    conc = it.example(c) if v is None or v.const else None
+                    if isinstance(conc, torch.Tensor):
+                        cv = max_abs(conc)
                 if cv is not None:
                     out.append((other, den, abs(cv)))
     return out
@@ -328,7 +380,7 @@ def recognize_norm(it: VelocityInterpreter, n: torch.fx.Node, shape: Sequence[in
         r = _denominator_k_eps(it, den, a, inverse)
         if r is None:
             continue
-        base = strip_casts(a)
+        base = _strip(it, a)
         if cscale != 1.0 and tuple(it.g.env[base.name].shape)[-1:] != tuple(shape[-1:]):
             continue
         k, eps, sqrt_form = r

@@ -18,9 +18,9 @@ from ...bounds.poly import Poly
 from ...exponents import Exponents
 from ..nodes import op_name
 from ..values import AValue, max_abs
-from .common import first_tensor, flip_sign, scaled, sqrt_last, unknown
+from .common import bounded_discontinuous, broadcast_factor, first_tensor, flip_sign, scaled, sqrt_last, unknown
 from .registry import register_rule
-from .selection import bounded_discontinuous, clamp_between
+from .selection import clamp_between
 
 if TYPE_CHECKING:
     from ..interp import VelocityInterpreter
@@ -32,8 +32,8 @@ Shape = Tuple[int, ...]
 
 #: Globally Lipschitz activations with ``|phi(z)| <= slope |z| + offset`` (their aten names; constants in bounds).
 LIPSCHITZ_ACTIVATIONS = ("relu", "gelu", "silu", "mish", "hardswish", "abs", "neg", "positive")
-#: Bounded activations (``|phi| <= saturation``).
-SATURATING_ACTIVATIONS = ("sigmoid", "tanh", "hardsigmoid", "sin", "cos", "erf", "softsign")
+#: Bounded activations (``|phi| <= saturation``; softsign has no aten op: it is traced as ``x / (1 + |x|)``).
+SATURATING_ACTIVATIONS = ("sigmoid", "tanh", "hardsigmoid", "sin", "cos", "erf")
 
 # torch's SELU constants (the definition of the op, not bounds)
 _SELU_ALPHA, _SELU_SCALE = 1.6732632423543772, 1.0507009873554805
@@ -41,24 +41,28 @@ _SELU_ALPHA, _SELU_SCALE = 1.6732632423543772, 1.0507009873554805
 
 def lipschitz_value(x: AValue, shape: Sequence[int], lip: float, slope: float, offset: float, sign: Optional[str],
                     name: str) -> AValue:
-    """``phi(x)`` for a ``lip``-Lipschitz ``phi`` with ``|phi(z)| <= slope |z| + offset`` entrywise."""
+    """``phi(x)`` for a ``lip``-Lipschitz ``phi`` with ``|phi(z)| <= slope |z| + offset`` entrywise (``x`` broadcast
+    to ``shape``: a broadcast last dimension is bounded through the entries)."""
     entries = x.entry_bound()
+    fb = broadcast_factor(x.shape, shape)
+    rows = x.growth if fb == 1.0 else (None if entries is None else entries.scale(fb))
     return AValue(exps=E.compose(E.LIPSCHITZ, x.exps), shape=shape,
-                  growth=None if x.growth is None else x.growth.scale(slope) + Poly.const(offset * sqrt_last(shape)),
+                  growth=None if rows is None else rows.scale(slope) + Poly.const(offset * sqrt_last(shape)),
                   max_abs=None if entries is None else entries.scale(slope) + Poly.const(offset),
-                  jacobian=None if x.jacobian is None else x.jacobian.scale(lip),
+                  jacobian=None if x.jacobian is None else x.jacobian.scale(lip * fb),
                   sign=sign, rule=f"Lipschitz activation {name}")
 
 
 def saturating_value(x: AValue, shape: Sequence[int], level: float, lip: float, sign: Optional[str],
                      name: str) -> AValue:
-    """``phi(x)`` for a ``lip``-Lipschitz ``phi`` with ``|phi| <= level``."""
+    """``phi(x)`` for a ``lip``-Lipschitz ``phi`` with ``|phi| <= level`` (``x`` broadcast to ``shape``)."""
+    fb = broadcast_factor(x.shape, shape)
     return AValue(exps=E.compose(E.SATURATING, x.exps), shape=shape, growth=Poly.const(level * sqrt_last(shape)),
-                  max_abs=Poly.const(level), jacobian=None if x.jacobian is None else x.jacobian.scale(lip),
+                  max_abs=Poly.const(level), jacobian=None if x.jacobian is None else x.jacobian.scale(lip * fb),
                   sign=sign, rule=f"saturating activation {name}")
 
 
-@register_rule(*(f"aten.{name}" for name in LIPSCHITZ_ACTIVATIONS))
+@register_rule(*(f"aten.{name}" for name in LIPSCHITZ_ACTIVATIONS), reads=("self", "approximate"))
 def lipschitz_activation(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
     x = first_tensor(a)
     name = op_name(n.target).split(".")[-1]
@@ -73,43 +77,68 @@ def lipschitz_activation(it: VelocityInterpreter, n: torch.fx.Node, a: Args, sha
     return lipschitz_value(x, shape, act.lipschitz, act.slope, act.offset, sign, name)
 
 
-@register_rule(*(f"aten.{name}" for name in SATURATING_ACTIVATIONS))
+@register_rule(*(f"aten.{name}" for name in SATURATING_ACTIVATIONS), reads=("self",))
 def saturating_activation(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
     name = op_name(n.target).split(".")[-1]
     act = activation(name)
     return saturating_value(first_tensor(a), shape, act.saturation, act.lipschitz, act.sign, name)
 
 
-@register_rule("aten.softplus")
+@register_rule("aten.softplus", reads=("self", "beta", "threshold"))
 def softplus(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
+    """``softplus(beta x) / beta`` where ``beta x <= threshold``, ``x`` above: 1-Lipschitz (slopes ``sigmoid`` and 1),
+    ``|phi(z)| <= |z| + log(2) / beta``; nonnegative only when ``threshold >= 0`` (a negative threshold returns ``x``
+    for some ``x < 0``)."""
     x = a["self"]
-    beta = float(a.get("beta", 1.0) or 1.0)
-    if beta <= 0:
-        return unknown(shape, f"softplus with beta={beta}")
+    beta = 1.0 if a.get("beta") is None else float(a["beta"])
+    threshold = 20.0 if a.get("threshold") is None else float(a["threshold"])
+    if not beta > 0:
+        return unknown(shape, f"softplus with beta={beta:g} (only beta > 0 is bounded)")
     # softplus_beta(x) = softplus(beta x) / beta: the same slopes, the offset divided by beta
     act = activation("softplus")
-    return lipschitz_value(x, shape, act.lipschitz, act.slope, act.offset / beta, act.sign, "softplus")
+    return lipschitz_value(x, shape, act.lipschitz, act.slope, act.offset / beta,
+                           act.sign if threshold >= 0 else None, "softplus")
 
 
-@register_rule("aten.elu", "aten.celu", "aten.selu")
+@register_rule("aten.elu", "aten.celu", "aten.selu", reads=("self", "alpha", "scale", "input_scale"))
 def elu(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
+    """``scale * x`` (``x > 0``), ``scale * alpha * (exp(input_scale * x) - 1)`` (``x <= 0``; celu: ``input_scale =
+    1/alpha``, scale 1; selu: torch's constants): slopes ``|scale|`` and ``|scale alpha input_scale| e^(...) <=
+    |scale alpha input_scale|``, and ``|phi(z)| <= Lip |z|``.  A negative ``input_scale`` (celu: ``alpha <= 0``)
+    makes the negative branch grow exponentially: refused."""
     x = first_tensor(a)
-    alpha = float(a.get("alpha", 1.0) or 1.0)
-    scale = float(a.get("scale", 1.0) or 1.0)
-    if op_name(n.target) == "aten.selu":
-        alpha, scale = _SELU_ALPHA, _SELU_SCALE
-    lip = scale * max(1.0, alpha)  # slopes scale * alpha e^z (z < 0) and scale (z > 0)
-    return lipschitz_value(x, shape, lip, lip, 0.0, None, "elu")
+    name = op_name(n.target)
+    alpha = 1.0 if a.get("alpha") is None else float(a["alpha"])
+    scale = 1.0 if a.get("scale") is None else float(a["scale"])
+    input_scale = 1.0 if a.get("input_scale") is None else float(a["input_scale"])
+    if name == "aten.selu":
+        alpha, scale, input_scale = _SELU_ALPHA, _SELU_SCALE, 1.0
+    elif name == "aten.celu":
+        if not alpha > 0:
+            return unknown(shape, f"celu with alpha={alpha:g}: exp(x / alpha) grows exponentially for x < 0")
+        scale, input_scale = 1.0, 1.0 / alpha
+    if input_scale < 0:
+        return unknown(shape, f"elu with input_scale={input_scale:g}: exp(input_scale x) grows exponentially for x < 0")
+    lip = abs(scale) * max(1.0, abs(alpha * input_scale))
+    return lipschitz_value(x, shape, lip, lip, 0.0, None, name.split(".")[-1])
 
 
-@register_rule("aten.leaky_relu", "aten.rrelu")
+@register_rule("aten.leaky_relu", "aten.rrelu",
+               reads=("self", "negative_slope", "lower", "upper", "training", "generator"))
 def leaky_relu(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
+    """Slope 1 above 0 and ``s`` below (rrelu: ``s`` in ``[lower, upper]``, drawn at random in training, their mean
+    in eval): ``|phi(z)| <= max(1, |s|) |z|`` whatever ``s`` in that range."""
     x = first_tensor(a)
-    s = abs(float(a.get("negative_slope", a.get("upper", 0.01)) or 0.01))
+    if op_name(n.target) == "aten.rrelu":
+        lower = 0.125 if a.get("lower") is None else float(a["lower"])
+        upper = 1.0 / 3.0 if a.get("upper") is None else float(a["upper"])
+        s = max(abs(lower), abs(upper))
+    else:
+        s = abs(0.01 if a.get("negative_slope") is None else float(a["negative_slope"]))
     return lipschitz_value(x, shape, max(1.0, s), max(1.0, s), 0.0, None, "leaky_relu")
 
 
-@register_rule("aten.prelu")
+@register_rule("aten.prelu", reads=("self", "weight"))
 def prelu(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
     x, w = a["self"], a["weight"]
     if not w.const:
@@ -128,7 +157,8 @@ def _bound_range(b: Any) -> Optional[Tuple[float, float]]:
     return float(b), float(b)
 
 
-@register_rule("aten.hardtanh", "aten.relu6", "aten.clamp", "aten.clip", "aten.clamp_min", "aten.clamp_max")
+@register_rule("aten.hardtanh", "aten.relu6", "aten.clamp", "aten.clip", "aten.clamp_min", "aten.clamp_max",
+               reads=("self", "min", "max", "min_val", "max_val"))
 def clamp(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
     """A clamp between constant bounds (numbers or tensors): ``|clamp(x)| <= max |bound|`` with both, ``|x| + max
     |bound|`` with one; a bound that depends on the input goes to :func:`~.selection.clamp_between`."""
@@ -148,6 +178,8 @@ def clamp(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> A
         return clamp_between(x, lo, hi, shape)
     lo_r, hi_r = _bound_range(lo), _bound_range(hi)
     short = name.split(".")[-1]
+    if lo_r is None and hi_r is None:
+        return unknown(shape, f"{short} with neither min nor max")
     if lo_r is not None and hi_r is not None:
         # min(max(x, lo), hi) lies between min(lo, hi) and hi entrywise
         sign = "+" if min(lo_r[0], hi_r[0]) >= 0 else ("-" if hi_r[1] <= 0 else None)
@@ -158,7 +190,7 @@ def clamp(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> A
     return lipschitz_value(x, shape, 1.0, 1.0, max(abs(rng[0]), abs(rng[1])), sign, short)
 
 
-@register_rule("aten.exp", "aten.exp2")
+@register_rule("aten.exp", "aten.exp2", reads=("self",))
 def exp(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
     x = a["self"]
     if x.sign in ("-", "0"):
@@ -174,7 +206,8 @@ def exp(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AVa
 
 
 @register_rule("aten.log", "aten.log2", "aten.log10", "aten.log1p", "aten.sqrt", "aten.rsqrt", "aten.reciprocal",
-               "aten.tan", "aten.atanh", "aten.logit", "aten.erfinv", "aten.digamma", "aten.lgamma")
+               "aten.tan", "aten.atanh", "aten.logit", "aten.erfinv", "aten.digamma", "aten.lgamma",
+               reads=("self", "eps"))  # refused whatever the arguments
 def outside(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
     x = first_tensor(a)
     name = op_name(n.target)
@@ -185,27 +218,33 @@ def outside(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) ->
     return out
 
 
-@register_rule("aten.pow", "aten.square")
+@register_rule("aten.pow", overloads=("Tensor_Tensor", "Tensor_Scalar", "Scalar"), reads=("self", "exponent"))
+@register_rule("aten.square", reads=("self",))
 def power(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
+    """``x^p`` for a number ``p >= 1``: ``|x^p| <= max|x|^(p-1) |x|``, slope ``p max|x|^(p-1)``.  A power below 1,
+    a tensor exponent, and a fractional power of a tensor that may be negative (NaN there) are refused."""
     x = a.get("self")
-    p = a.get("exponent", 2)
-    if op_name(n.target) == "aten.square":
-        p = 2
+    p = 2 if op_name(n.target) == "aten.square" else a.get("exponent")
     if isinstance(x, AValue) and isinstance(p, AValue):
         return unknown(shape, "pow with a tensor exponent")
     if not isinstance(x, AValue):
         return unknown(shape, "pow of a scalar base by a tensor exponent (exp-like)")
+    if isinstance(p, complex):
+        return unknown(shape, f"pow with a complex exponent {p!r}")
     p = float(p)
     if p == 1:
-        return scaled(x, shape, 1.0, rule="pow 1")
+        return scaled(x, shape, 1.0, entry_factor=1.0, rule="pow 1")
     if p < 1:
         return unknown(shape, f"pow(x, {p:g}) with p < 1: not Lipschitz at 0")
+    if not p.is_integer() and x.sign not in ("+", "0"):
+        return unknown(shape, f"pow(x, {p:g}) of a tensor that may be negative (NaN there)")
     entries = x.entry_bound()
+    fb = broadcast_factor(x.shape, shape)
     growth = jacobian = None
     if entries is not None and x.growth is not None:
-        growth = entries.power(p - 1) * x.growth
+        growth = entries.power(p - 1) * (x.growth if fb == 1.0 else entries.scale(fb))
     if entries is not None and x.jacobian is not None:
-        jacobian = entries.power(p - 1).scale(p) * x.jacobian
+        jacobian = entries.power(p - 1).scale(p * fb) * x.jacobian
     sign = "+" if (p.is_integer() and int(p) % 2 == 0) or x.sign == "+" else (x.sign if p.is_integer() else None)
     return AValue(exps=E.compose(E.power(p), x.exps), shape=shape, growth=growth,
                   max_abs=None if entries is None else entries.power(p), jacobian=jacobian, sign=sign,
@@ -221,7 +260,8 @@ _ROUNDING_OPS = ("aten.round", "aten.floor", "aten.ceil", "aten.trunc")
 
 
 # sign-only and boolean ops on constants never reach here (constants are evaluated); on activations:
-@register_rule(*_STEP_OPS, *_ROUNDING_OPS, "aten.bitwise_and", "aten.__and__", "aten.__or__")
+@register_rule(*_STEP_OPS, *_ROUNDING_OPS, "aten.bitwise_and", "aten.__and__", "aten.__or__",
+               reads=("self", "other", "dim", "decimals"), via_shape=("keepdim",))
 def discontinuous(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
     """Comparisons, signs, argmax, rounding: discontinuous (``sigma`` not derived), but bounded (booleans and
     signs by 1, an argmax by the size of its dimension) or within 1 of their input (rounding)."""
@@ -239,7 +279,6 @@ def discontinuous(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Sha
         if level is None and name in _STEP_OPS:  # an index along dim (all entries when dim is None)
             dim = a.get("dim")
             level = float(max((x.shape[dim] if dim is not None and x.ndim else math.prod(x.shape)) - 1, 0))
-        out = bounded_discontinuous(shape, 1.0 if level is None else level, f"{name.split('.')[-1]} (bounded)", why)
-        out.sign = None if name == "aten.sign" else "+"
-        return out
+        return bounded_discontinuous(shape, 1.0 if level is None else level, f"{name.split('.')[-1]} (bounded)", why,
+                                     sign=None if name == "aten.sign" else "+")
     return unknown(shape, f"{name} of an input-dependent tensor is discontinuous (outside the certified class)")

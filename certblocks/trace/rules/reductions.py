@@ -8,7 +8,7 @@ entries, and its rows through them.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Dict, List, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -16,7 +16,7 @@ from ... import exponents as E
 from ...bounds.poly import Poly
 from ..nodes import op_name
 from ..values import AValue
-from .common import scaled, sqrt_last, unknown
+from .common import bounded_discontinuous, flip_sign, rounding_factor, scaled, sqrt_last, unit_roundoff, unknown
 from .registry import register_rule
 from .selection import extremum
 
@@ -44,21 +44,40 @@ def _count(x: AValue, dims: List[int]) -> int:
     return count
 
 
-@register_rule("aten.mean", "aten.sum", "aten.nansum", "aten.nanmean")
+def _dtype_factor(x: AValue, it: VelocityInterpreter, n: torch.fx.Node, a: Args, count: int) -> Optional[float]:
+    """The factor on the magnitude of a reduction of ``count`` entries computed in the ``dtype`` it is given: 1 in a
+    dtype at least as fine as the input's, ``1 + (count + 1) u`` in a coarser float (each of the ``count`` additions
+    and the final rounding loses at most ``u`` of the partial sums); ``None`` for a dtype that is not a float."""
+    dtype = a.get("dtype")
+    if dtype is None:
+        return 1.0
+    if not isinstance(dtype, torch.dtype) or not (dtype.is_floating_point or dtype.is_complex):
+        return None
+    src = it.g.env.get(getattr(n.args[0], "name", "")) if n.args else None
+    src_dtype = src.dtype if isinstance(src, torch.Tensor) else None
+    return 1.0 if rounding_factor(src_dtype, dtype) == 1.0 else 1.0 + (count + 1) * unit_roundoff(dtype)
+
+
+@register_rule("aten.mean", "aten.sum", "aten.nansum", "aten.nanmean", reads=("self", "dim", "dtype"),
+               via_shape=("keepdim",))
 def sum_or_mean(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
-    x = a.get("self", a.get("input"))
+    """A sum (or mean) of ``count`` entries over ``dim`` (every dim when none): linear, exponents kept.  Over other
+    dims than the last, a row of the result sums ``count`` rows and an entry ``count`` entries (mean: 1); over the
+    last dim an entry is at most ``sqrt(d)`` times a row norm per row summed."""
+    x = a["self"]
     dims = _reduce_dims(a, x.ndim)
     count = _count(x, dims)
     mean = "mean" in op_name(n.target)
+    rf = _dtype_factor(x, it, n, a, count)
+    if rf is None:
+        return unknown(shape, f"{op_name(n.target)} with dtype={a.get('dtype')} (not a floating-point dtype)")
     if max(x.ndim, 1) - 1 not in dims:
-        f = 1.0 if mean else float(count)
-        out = scaled(x, shape, f, rule="reduction (linear)")
-        out.max_abs = None if x.entry_bound() is None else x.entry_bound().scale(f)
-        return out
+        f = (1.0 if mean else float(count)) * rf
+        return scaled(x, shape, f, entry_factor=f, rule="reduction (linear)")
     d_last = x.shape[-1] if x.ndim else 1
     other = count // max(d_last, 1)
     # an entry of the result is a (mean of) sum over `other` rows' sums: |row sum| <= sqrt(d) N
-    per_entry = (1.0 / math.sqrt(d_last)) if mean else (other * math.sqrt(d_last))
+    per_entry = ((1.0 / math.sqrt(d_last)) if mean else (other * math.sqrt(d_last))) * rf
     dd = sqrt_last(shape)
     m = None if x.growth is None else x.growth.scale(per_entry)
     return AValue(exps=x.exps, shape=shape, growth=None if m is None else m.scale(dd), max_abs=m,
@@ -66,11 +85,20 @@ def sum_or_mean(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape
                   rule="reduction (linear)")
 
 
-@register_rule("aten.amax", "aten.amin", "aten.max", "aten.min", "aten.logsumexp")
+#: Why the index output of a reduction is outside the class (it selects discontinuously).
+_INDEX_WHY = "discontinuous ({} indices of an input-dependent tensor jump where two entries swap order)"
+
+
+@register_rule("aten.amax", "aten.amin", "aten.max", "aten.min", "aten.logsumexp", reads=("self", "other", "dim"),
+               via_shape=("keepdim",))
 def max_or_min(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> Any:
-    x = a.get("self")
+    """Max, min and logsumexp over dims: 1-Lipschitz in the largest entry (logsumexp within ``log(count)`` of the
+    max); the entrywise max/min of two tensors goes to :func:`~.selection.extremum`.  The indices of ``max``/``min``
+    along a dim are integers in ``[0, size)`` computed from the input: bounded by ``size - 1``, never read at
+    their example."""
+    x = a["self"]
     name = op_name(n.target)
-    if isinstance(a.get("other"), AValue):  # elementwise max/min of two tensors: 1-Lipschitz in each
+    if "other" in a:  # elementwise max/min of two tensors: 1-Lipschitz in each
         return extremum(x, a["other"], shape, "max" if name == "aten.max" else "min")
     conc = it.g.env.get(n.name)
     dims = _reduce_dims(a, x.ndim)
@@ -90,20 +118,28 @@ def max_or_min(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape)
     out = AValue(exps=E.compose(E.LIPSCHITZ, x.exps), shape=out_shape, growth=growth, max_abs=m, jacobian=jacobian,
                  sign=x.sign if not extra else None, rule=f"{name.split('.')[-1]} (1-Lipschitz)")
     if isinstance(conc, (tuple, list)):
-        return [out, AValue.constant(conc[1])]
+        short = name.split(".")[-1]
+        return [out, bounded_discontinuous(tuple(conc[1].shape), float(max(count - 1, 0)), f"{short} indices",
+                                           _INDEX_WHY.format(short))]
     return out
 
 
-@register_rule("aten.linalg_vector_norm", "aten.norm", "aten.frobenius_norm")
+@register_rule("aten.linalg_vector_norm", "aten.norm", "aten.frobenius_norm",
+               reads=("self", "ord", "p", "dim", "dtype"), via_shape=("keepdim",))
 def norm(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
-    x = a.get("self", a.get("input"))
+    """The Euclidean norm over ``dim`` (every dim when none): 1-Lipschitz, ``|out| <= sqrt(count) N`` (one row:
+    ``N``).  Other orders are refused."""
+    x = a["self"]
     p = a.get("ord", a.get("p", 2))
     if p is None:
         p = 2
-    if float(p) != 2.0:
+    if isinstance(p, complex) or float(p) != 2.0:
         return unknown(shape, f"vector norm of order {p} has no rule")
     dims = _reduce_dims(a, x.ndim)
-    f = 1.0 if dims == [max(x.ndim, 1) - 1] else math.sqrt(_count(x, dims))
+    rf = _dtype_factor(x, it, n, a, _count(x, dims))
+    if rf is None:
+        return unknown(shape, f"{op_name(n.target)} with dtype={a.get('dtype')} (not a floating-point dtype)")
+    f = (1.0 if dims == [max(x.ndim, 1) - 1] else math.sqrt(_count(x, dims))) * rf
     dd = sqrt_last(shape)
     m = None if x.growth is None else x.growth.scale(f)
     return AValue(exps=E.compose(E.LIPSCHITZ, x.exps), shape=shape, growth=None if m is None else m.scale(dd),
@@ -111,44 +147,85 @@ def norm(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AV
                   sign="+", rule="Euclidean norm (1-Lipschitz)")
 
 
-@register_rule("aten.var", "aten.std")
+@register_rule("aten.var", "aten.std", reads=("self", "dim", "unbiased", "correction"), via_shape=("keepdim",))
 def var(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
     return unknown(shape, f"{op_name(n.target)} outside a recognized normalization has no rule")
 
 
-@register_rule("aten.cumsum")
+@register_rule("aten.cumsum", reads=("self", "dim", "dtype"))
 def cumsum(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
+    """Running sums of ``k`` entries along ``dim``: an entry is at most ``sqrt(k)`` times a row norm (along the
+    last dim) or ``k`` times an entry; a row sums up to ``k`` rows (along another dim)."""
     x = a["self"]
     dim = int(a["dim"]) % max(x.ndim, 1)
-    k = x.shape[dim]
+    k = x.shape[dim] if x.ndim else 1
+    rf = _dtype_factor(x, it, n, a, k)
+    if rf is None:
+        return unknown(shape, f"cumsum with dtype={a.get('dtype')} (not a floating-point dtype)")
     if dim == x.ndim - 1:
         dd = math.sqrt(shape[-1])
-        m = None if x.growth is None else x.growth.scale(math.sqrt(k))
+        m = None if x.growth is None else x.growth.scale(math.sqrt(k) * rf)
         return AValue(exps=x.exps, shape=shape, growth=None if m is None else m.scale(dd), max_abs=m,
-                      jacobian=None if x.jacobian is None else x.jacobian.scale(math.sqrt(k) * dd), sign=x.sign,
+                      jacobian=None if x.jacobian is None else x.jacobian.scale(math.sqrt(k) * dd * rf), sign=x.sign,
                       rule="linear (cumsum)")
-    return scaled(x, shape, float(k), rule="linear (cumsum)")
+    return scaled(x, shape, float(k) * rf, entry_factor=float(k) * rf, rule="linear (cumsum)")
+
+
+def _spatial(name: str) -> int:
+    """The number of spatial dims of a pooling op (its ``1d``/``2d``/``3d``)."""
+    return next((int(c) for c in ("1", "2", "3") if f"{c}d" in name), 1)
 
 
 @register_rule("aten.max_pool1d", "aten.max_pool2d", "aten.max_pool3d", "aten.max_pool1d_with_indices",
-               "aten.max_pool2d_with_indices", "aten.max_pool3d_with_indices", "aten.avg_pool1d", "aten.avg_pool2d",
-               "aten.avg_pool3d", "aten.adaptive_avg_pool1d", "aten.adaptive_avg_pool2d", "aten.adaptive_avg_pool3d",
-               "aten.adaptive_max_pool1d", "aten.adaptive_max_pool2d", "aten._adaptive_avg_pool2d")
-def pool(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> Any:
-    """Pooling: every output entry is a max or a mean of input entries (1-Lipschitz in max-abs).
+               "aten.max_pool2d_with_indices", "aten.max_pool3d_with_indices",
+               "aten.adaptive_max_pool1d", "aten.adaptive_max_pool2d",
+               reads=("self", "kernel_size", "stride", "padding", "dilation", "ceil_mode"), via_shape=("output_size",))
+def max_pool(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> Any:
+    """Max pooling: every output entry is the largest of some input entries (the padding never wins), whatever the
+    window's size, stride, padding, dilation or rounding: 1-Lipschitz in the largest entry.  The indices are
+    integers in ``[0, numel of a spatial plane)`` computed from the input: bounded by their range, discontinuous."""
+    return _pool(it, n, a, 1.0, linear=False)
 
-    A mean over fewer entries at a border (``count_include_pad=False``) is still a mean: ``|out| <= max|x|``.
-    """
-    x = a.get("self", a.get("input"))
-    linear = "avg" in op_name(n.target)
+
+@register_rule("aten.avg_pool1d", "aten.avg_pool2d", "aten.avg_pool3d", "aten.adaptive_avg_pool1d",
+               "aten.adaptive_avg_pool2d", "aten.adaptive_avg_pool3d", "aten._adaptive_avg_pool2d",
+               reads=("self", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override"),
+               via_shape=("output_size",))
+def avg_pool(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> Any:
+    """Average pooling: every output entry is a sum of at most ``prod(kernel_size)`` input entries divided by their
+    number, or by a window size counting the padding (``count_include_pad``), or by ``divisor_override``: at most
+    ``max(1, prod(kernel_size) / |divisor_override|)`` times the largest entry."""
+    override = a.get("divisor_override")
+    f = 1.0
+    if override is not None:
+        if override == 0:
+            return unknown(shape, "avg_pool with divisor_override=0")
+        nsp = _spatial(op_name(n.target))
+        k = [int(v) for v in a["kernel_size"]]
+        taps = math.prod(k) if len(k) == nsp else k[0] ** nsp
+        f = max(1.0, taps / abs(float(override)))
+    out = _pool(it, n, a, f, linear=True)
+    if override is not None and override < 0:
+        out.sign = flip_sign(out.sign)
+    return out
+
+
+def _pool(it: VelocityInterpreter, n: torch.fx.Node, a: Args, f: float, linear: bool) -> Any:
+    """Pooling whose every output entry is at most ``f`` times the largest input entry over a window (and moves by
+    at most ``f`` times the largest change there)."""
+    x = a["self"]
     conc = it.g.env.get(n.name)
-    out_shape = tuple(conc[0].shape) if isinstance(conc, (tuple, list)) else shape
+    out_shape = tuple(conc[0].shape) if isinstance(conc, (tuple, list)) else tuple(conc.shape)
     d = sqrt_last(out_shape)
     entries = x.entry_bound()
     out = AValue(exps=x.exps if linear else E.compose(E.LIPSCHITZ, x.exps), shape=out_shape,
-                 growth=None if entries is None else entries.scale(d), max_abs=entries,
-                 jacobian=None if x.jacobian is None else x.jacobian.scale(d), sign=x.sign,
+                 growth=None if entries is None else entries.scale(d * f),
+                 max_abs=None if entries is None else entries.scale(f),
+                 jacobian=None if x.jacobian is None else x.jacobian.scale(d * f), sign=x.sign,
                  rule="linear (average pooling)" if linear else "max pooling (1-Lipschitz)")
     if isinstance(conc, (tuple, list)):
-        return [out] + [AValue.constant(c) for c in conc[1:]]
+        nsp = _spatial(op_name(n.target))
+        plane = math.prod(x.shape[-nsp:]) if x.ndim else 1
+        return [out] + [bounded_discontinuous(tuple(c.shape), float(max(plane - 1, 0)), "max pooling indices",
+                                              _INDEX_WHY.format("max pooling")) for c in conc[1:]]
     return out

@@ -23,7 +23,9 @@ if TYPE_CHECKING:
     from ..interp import VelocityInterpreter
 
 
-@register_rule("certblocks.selective_scan")
+@register_rule("certblocks.selective_scan",
+               reads=("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus", "gate", "cu_seqlens",
+                      "return_last_state", "backend"))
 def selective_scan(it: VelocityInterpreter, n: torch.fx.Node, v: Dict[str, Any],
                    shape: Tuple[int, ...]) -> List[AValue]:
     u, delta, A, B, C = v["u"], v["delta"], v["A"], v["B"], v["C"]

@@ -24,18 +24,17 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 import torch
 
 from ... import exponents as E
-from ...bounds.poly import Poly, psum
-from ...exponents import Exponents
+from ...bounds.poly import psum
 from ..nodes import op_name
 from ..values import AValue
 from .arithmetic import as_value, sum_term
-from .common import broadcast_factor, pmax, scaled, sqrt_last
+from .common import bounded_discontinuous, broadcast_factor, pmax, scaled
 from .registry import register_rule
 
 if TYPE_CHECKING:
     from ..interp import VelocityInterpreter
 
-__all__ = ["extremum", "clamp_between", "bounded_discontinuous"]
+__all__ = ["extremum", "clamp_between"]
 
 Args = Dict[str, Any]
 Shape = Tuple[int, ...]
@@ -49,18 +48,13 @@ INDEX_REASONS = {
 }
 
 
-def bounded_discontinuous(shape: Shape, level: float, rule: str, bad: str) -> AValue:
-    """A value bounded by ``level`` entrywise that jumps with the input: ``q = 0``, ``sigma`` not derived."""
-    return AValue(exps=Exponents(0, None), shape=tuple(shape), growth=Poly.const(level * sqrt_last(shape)),
-                  max_abs=Poly.const(level), sign="+", rule=rule, bad=bad)
-
-
 def _order_values(x: AValue, out_shape: Shape, dim: int, name: str) -> AValue:
     """The values of ``sort``/``topk`` along ``dim`` (1-Lipschitz; see the module docstring)."""
     nd = max(x.ndim, 1)
     along_last = x.ndim == 0 or dim % nd == nd - 1
     f = 1.0 if along_last else math.sqrt(x.shape[dim])
-    out = scaled(x, out_shape, f, rule=f"{name} values (1-Lipschitz" + (")" if along_last else f", rows x{f:.3g})"))
+    out = scaled(x, out_shape, f, entry_factor=1.0,
+                 rule=f"{name} values (1-Lipschitz" + (")" if along_last else f", rows x{f:.3g})"))
     out.exps = E.compose(E.LIPSCHITZ, x.exps)
     return out
 
@@ -73,7 +67,8 @@ def _with_indices(conc: Any, x: AValue, values: AValue, dim: int, name: str) -> 
     return [values, idx]
 
 
-@register_rule("aten.topk", "aten.sort")
+@register_rule("aten.topk", reads=("self", "k", "dim", "largest", "sorted"))
+@register_rule("aten.sort", overloads=("default", "stable"), reads=("self", "stable", "dim", "descending"))
 def order_statistics(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> list:
     x = a["self"]
     name = op_name(n.target).split(".")[-1]
@@ -82,7 +77,7 @@ def order_statistics(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: 
     return _with_indices(conc, x, _order_values(x, tuple(conc[0].shape), dim, name), dim, name)
 
 
-@register_rule("aten.cummax", "aten.cummin")
+@register_rule("aten.cummax", "aten.cummin", reads=("self", "dim"))
 def running_extremum(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> list:
     """Running max/min along ``dim``: each entry within ``max |a_i - b_i|`` of the other input's (a factor
     ``sqrt(n)`` for ``n`` entries along ``dim``, through the entries along the last dimension)."""
@@ -93,7 +88,7 @@ def running_extremum(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: 
     along_last = x.ndim == 0 or dim % nd == nd - 1
     k = x.shape[dim] if x.ndim else 1
     conc = it.g.env[n.name]
-    values = scaled(x, tuple(conc[0].shape), math.sqrt(k), via_entries=along_last,
+    values = scaled(x, tuple(conc[0].shape), math.sqrt(k), entry_factor=1.0, via_entries=along_last,
                     rule=f"{name} values (1-Lipschitz in the max norm, x{math.sqrt(k):.3g})")
     values.exps = E.compose(E.LIPSCHITZ, x.exps)
     return _with_indices(conc, x, values, dim, name)
@@ -125,7 +120,7 @@ def extremum(x: Any, y: Any, shape: Shape, kind: str) -> AValue:
                   rule=f"entrywise {kind} (1-Lipschitz in each operand)")
 
 
-@register_rule("aten.maximum", "aten.minimum", "aten.fmax", "aten.fmin")
+@register_rule("aten.maximum", "aten.minimum", "aten.fmax", "aten.fmin", reads=("self", "other"))
 def entrywise_extremum(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
     kind = "max" if op_name(n.target) in ("aten.maximum", "aten.fmax") else "min"
     return extremum(a["self"], a["other"], shape, kind)
