@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -11,7 +11,7 @@ from torch import nn
 from .._validation import check_finite
 from ..certificate import BlockCertificate
 from .capture import CapturedGraph, capture
-from .chain import Chain, model_chain, segment_name
+from .chain import Chain, certify_outputs, model_chain, segment_name
 from .collapse import coefficients, peak
 from .diagnosis import culprit
 from .interp import VelocityInterpreter
@@ -22,17 +22,6 @@ from .residual import dedupe_names, find_residual_updates, module_velocities, ve
 
 # find_residual_updates is re-exported: it lived here before residual.py
 __all__ = ["certify", "certify_velocity", "find_residual_updates"]
-
-
-def _as_args(example_input: Any) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
-    if isinstance(example_input, torch.Tensor):
-        return (example_input,), {}
-    if isinstance(example_input, dict):
-        return (), dict(example_input)
-    if isinstance(example_input, (list, tuple)):
-        return tuple(example_input), {}
-    raise TypeError(f"example_input must be a tensor, a tuple of arguments or a dict of keyword arguments, "
-                    f"got {type(example_input).__name__}")
 
 
 def certify_velocity(g: CapturedGraph, x: torch.fx.Node, out: torch.fx.Node, name: str = "") -> TraceCertificate:
@@ -92,7 +81,9 @@ def certify(module: nn.Module, example_input: Any, *, residual: Union[str, Seque
         NonFiniteWeightError: a parameter or buffer holds NaN or inf (the message names it by its path).
         CaptureError: ``torch.export`` could not capture the module (one message, both attempts' reasons).
     """
-    args, kw = _as_args(example_input)
+    from ..model import as_args  # the one reading of a batch (the spine); model imports this package lazily
+
+    args, kw = as_args(example_input)
     kw.update(kwargs or {})
     if isinstance(module, nn.Module):
         check_finite(module)  # names a NaN/inf weight by its path, instead of a certificate computed from it
@@ -144,7 +135,7 @@ def _certify_chain(g: CapturedGraph, chain: Chain, model_name: str) -> ModelCert
     every = ([stem] if stem is not None else []) + body + ([head] if head is not None else [])
     return ModelCertificate(updates, model_name, g.strict, segments=body, stem=stem, head=head,
                             integer_input=chain.integer_input, notes=list(chain.notes) + _velocity_notes(every),
-                            chained=True)
+                            chained=True, outputs=certify_outputs(g, chain))
 
 
 def _whole(g: CapturedGraph, model_name: str) -> TraceCertificate:
@@ -157,4 +148,9 @@ def _whole(g: CapturedGraph, model_name: str) -> TraceCertificate:
     outs = [o for o in g.outputs if isinstance(g.env.get(o.name), torch.Tensor)]
     if not outs:
         raise ValueError(f"{model_name} has no tensor output")
-    return certify_velocity(g, xs[0], outs[0], model_name)
+    tc = certify_velocity(g, xs[0], outs[0], model_name)
+    if len(outs) > 1:  # the velocity is the first output's: say which outputs it does not cover
+        tc.notes.append(f"the whole-module velocity is {xs[0].name} -> {outs[0].name}; the module's other outputs "
+                        f"({', '.join(o.name for o in outs[1:])}) are not covered by this certificate "
+                        "(residual='auto' certifies every output of a chained model)")
+    return tc

@@ -8,6 +8,7 @@ are read from this run), and records module paths from the ``nn_module_stack`` m
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import io
 import logging
@@ -37,6 +38,11 @@ def _flatten_output(o: Any) -> Tuple[torch.Tensor, ...]:
         out = []
         for v in o:
             out.extend(_flatten_output(v))
+        return tuple(out)
+    if dataclasses.is_dataclass(o) and not isinstance(o, type):  # an output dataclass that is not a mapping
+        out = []
+        for f in dataclasses.fields(o):
+            out.extend(_flatten_output(getattr(o, f.name)))
         return tuple(out)
     return ()
 

@@ -15,7 +15,7 @@ import torch
 from ..bounds.poly import Poly, fold_peak
 from ..certificate import Peak
 from .interp import VelocityInterpreter
-from .nodes import op_name
+from .nodes import bind_args, op_name
 from .report import NOT_DERIVED
 from .values import AValue
 
@@ -84,7 +84,7 @@ def peak(it: VelocityInterpreter) -> Peak:
             q, k = it.value_of(n.args[0].name), it.value_of(n.args[1].name)
             if q is None or k is None or q.growth is None or k.growth is None:
                 return Peak.unbounded(f"the query-key logits of {n.name}: the query or key bound is not derived")
-            scale = n.kwargs.get("scale")
+            scale = (bind_args(n) or {}).get("scale")  # positional or keyword
             if scale is not None and not isinstance(scale, (int, float)):
                 return Peak.unbounded(f"the query-key logits of {n.name}: scale {scale!r} is not a number")
             s = max(1.0, abs(float(scale))) if scale is not None else 1.0

@@ -129,6 +129,7 @@ class TraceCertificate:
             out.append(f"culprit: {self.culprit}")
         if self.suggestion:
             out.append(f"fix: {self.suggestion}")
+        out += [f"note: {note}" for note in self.notes]
         return "\n".join(out)
 
     def to_dict(self) -> Dict[str, Any]:
@@ -136,7 +137,7 @@ class TraceCertificate:
                 "coefficients_derived": self.coefficients_derived, "culprit": self.culprit,
                 "culprit_node": self.culprit_node, "suggestion": self.suggestion,
                 "input_node": self.input_node, "output_node": self.output_node,
-                "nodes": [r.to_dict() for r in self.nodes]}
+                "nodes": [r.to_dict() for r in self.nodes], "notes": [str(note) for note in self.notes]}
 
     def to_json(self, **kwargs: Any) -> str:
         return json.dumps(jsonable(self.to_dict()), **kwargs)

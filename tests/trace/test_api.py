@@ -247,7 +247,7 @@ def test_cli_errors(capsys):
     assert run_certify(_parse(["certify", "no-such-zoo-model"])) == 2
     err = capsys.readouterr().err
     assert "no-such-zoo-model" in err and "timm:<name>" in err
-    with pytest.raises(ModelSpecError, match="hf:gpt2, hf:mamba, hf:llama"):
+    with pytest.raises(ModelSpecError, match="allowed: hf:gpt2, .*hf:mamba, .*hf:llama"):
         load_model("hf:bert")
     with pytest.raises(ModelSpecError, match="module:pkg.mod:factory"):
         load_model("module:only_one_part")

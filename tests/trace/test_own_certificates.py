@@ -60,8 +60,8 @@ def test_certified_depth_matches_the_built_stack(blocks, dtype, dt):
     assert all(c is not None for c in traced)
     # the traced velocities are dt * v: their stack runs with step 1
     mine = certify_stack(traced, dtype, dt=1.0, r0=r0, lip_g=lip_g)
-    assert mine.certified_depth == stack.certificate.certified_depth
-    assert mine.forward_depth == stack.certificate.forward_depth
+    assert mine.certified_depth == stack.certificate().certified_depth
+    assert mine.forward_depth == stack.certificate().forward_depth
 
 
 def test_scaled_velocity_scales_the_coefficients_and_keeps_the_peak(blocks):

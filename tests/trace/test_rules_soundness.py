@@ -81,6 +81,12 @@ SOUND: Dict[str, Callable] = {
     "cast to uint8": lambda m, h: h.to(torch.uint8).to(h.dtype) + 0.0 * h,
     # rounding
     "cast to bfloat16": lambda m, h: h.to(torch.bfloat16).to(h.dtype),
+    # a node's outputs after the first (each counts in the peak)
+    "direct native_layer_norm mean and rstd": lambda m, h: (lambda r: r[0] + r[1] + 1e-2 * r[2])(
+        torch.ops.aten.native_layer_norm(h, [D], None, None, 1e-5)),
+    "direct fused attention logsumexp": lambda m, h: (lambda r: r[0].transpose(1, 2).reshape(h.shape) + r[1].transpose(
+        1, 2).mean(-1, keepdim=True))(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            *(h.view(h.shape[0], T, 2, D // 2).transpose(1, 2),) * 3)),
 }
 
 

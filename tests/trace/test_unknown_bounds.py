@@ -11,6 +11,7 @@ read as no bound) the search beats what that certificate claimed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import replace
 from typing import Callable, Dict, List, NamedTuple, Tuple
@@ -22,7 +23,6 @@ from torch import nn
 import certblocks.testing as cbt
 from certblocks.certificate import BlockCertificate, Peak, StackCertificate, certify_stack
 from certblocks.trace import ModelCertificate, capture, certify, find_residual_updates
-from certblocks.trace.api import _certify_chain
 from certblocks.trace.chain import certify_outputs, model_chain
 from certblocks.trace.report import Unbounded
 
@@ -194,7 +194,9 @@ _BUILT: Dict[str, Tuple[nn.Module, torch.Tensor, ModelCertificate]] = {}
 
 def _traced(cls: type, integer: bool = False, outputs: bool = False, dtype: str = "fp32"
             ) -> Callable[[], Tuple[StackCertificate, object]]:
-    """The model's stack certificate; ``outputs``: its other outputs certified (``ModelCertificate.outputs``)."""
+    """The model's stack certificate as ``certify`` gives it (its other outputs certified in
+    ``ModelCertificate.outputs``); ``outputs=False``: with those certificates removed, so that what the chain does
+    when an output is not covered is tested too."""
 
     def build() -> Tuple[StackCertificate, object]:
         key = f"{cls.__name__}{outputs}"
@@ -202,13 +204,14 @@ def _traced(cls: type, integer: bool = False, outputs: bool = False, dtype: str 
             torch.manual_seed(0)
             m = cls().eval()
             x = torch.randint(0, V, (1, 6)) if integer else torch.randn(1, 4, D)
-            if outputs:
+            rep = certify(m, x)
+            if outputs:  # certify's outputs are the chain's, certified one by one
                 g = capture(m, (x,))
                 chain = model_chain(g, find_residual_updates(g))
-                rep = _certify_chain(g, chain, cls.__name__)
-                rep.outputs = certify_outputs(g, chain)
+                assert [o.output_node for o in rep.outputs] == [
+                    o.output_node for o in certify_outputs(g, chain)] == [s.end.name for s in chain.outputs]
             else:
-                rep = certify(m, x)
+                rep = replace(rep, outputs=[])
             _BUILT[key] = (m, x, rep)
         m, x, rep = _BUILT[key]
         r0 = 1.0 if integer else float(x.norm(dim=-1).max())
@@ -322,21 +325,21 @@ def test_second_output_certified_is_folded_and_sound():
     assert f"output {out}" in st32.updates[0].peak.what
     report = cbt.assert_model_sound(m, st32, x, model_certificate=rep, **SEARCH)
     assert report["intermediate"].ratio > 0.5, report  # the search reads the huge output; the peak holds it
-    uncovered = certify(m, x)
+    uncovered = replace(certify(m, x), outputs=[])
     assert [n.place for n in uncovered.unbounded()] == [out]  # without rep.outputs it is refused (the place above)
 
 
 def test_pooler_output_is_bounded_once_certified():
     torch.manual_seed(0)
     m, x = PoolerOutput().eval(), torch.randn(1, 4, D)
-    rep = certify(m, x)
-    assert [n.place for n in rep.unbounded()] == ["tanh_2"] and not rep.stack("fp32").ok
+    uncovered = replace(certify(m, x), outputs=[])
+    assert [n.place for n in uncovered.unbounded()] == ["tanh_2"] and not uncovered.stack("fp32").ok
     g = capture(m, (x,))
     chain = model_chain(g, find_residual_updates(g))
     assert [(s.kind, s.start.name, s.end.name) for s in chain.outputs] == [("output", chain.segments[-1].start.name,
                                                                             "tanh_2")]
-    rep = _certify_chain(g, chain, "PoolerOutput")
-    rep.outputs = certify_outputs(g, chain)
+    rep = certify(m, x)  # certify certifies the chain's every output
+    assert [o.output_node for o in rep.outputs] == ["tanh_2"]
     st = rep.stack("fp32", r0=float(x.norm(dim=-1).max()))
     assert st.ok, st.explain()
     assert "output tanh_2" in rep.explain() and rep.to_dict()["unbounded"] == []
@@ -412,3 +415,27 @@ def test_a_collapsed_certified_call_keeps_its_peak():
     for r in (0.5, 3.0, 40.0):
         assert cert.peak.bound(r) >= own.peak.bound(r), (r, cert.peak, own.peak)
         assert folded.bound(r) >= own.peak.bound(r), (r, folded, own.peak)
+
+
+@dataclasses.dataclass
+class _AuxOutput:
+    """A model output that is a dataclass, not a mapping (its fields are outputs too)."""
+
+    aux: torch.Tensor
+
+
+class DataclassAuxOutput(Body):
+    """Returns the logits and a dataclass holding ``1e30 x``."""
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, _AuxOutput]:
+        return self.head(self.body(x)), _AuxOutput(1e30 * x)
+
+
+def test_an_output_inside_a_dataclass_is_in_the_chain():
+    torch.manual_seed(0)
+    m, x = DataclassAuxOutput().eval(), torch.randn(1, 4, D)
+    rep = certify(m, x)
+    assert len(rep.outputs) == 1, rep.explain()
+    r0 = float(x.norm(dim=-1).max())
+    assert not rep.stack("fp16", r0=r0).ok and rep.stack("fp32", r0=r0).ok
+    assert rep.outputs[0].output_node in rep.stack("fp16", r0=r0).explain()

@@ -8,7 +8,7 @@ matmul rule uses (``N(P @ V) <= N(V)``).  Fused attention is an atom: ``q = q_V`
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -95,9 +95,7 @@ def scaled_dot_product_attention(it: VelocityInterpreter, n: torch.fx.Node, a: A
     mask = a.get("attn_mask", a.get("attn_bias"))
     conc = it.g.env.get(n.name)
     out_shape = tuple(conc[0].shape) if isinstance(conc, (tuple, list)) else shape
-    extra = [] if not isinstance(conc, (tuple, list)) else \
-        [AValue.unknown(tuple(c.shape) if isinstance(c, torch.Tensor) else (), "attention auxiliary output")
-         for c in conc[1:]]
+    extra = [] if not isinstance(conc, (tuple, list)) else _auxiliary_outputs(it, n, a, conc)
     if isinstance(mask, AValue) and not mask.const:
         out = AValue.unknown(out_shape, "sdpa", "attention mask depends on the input")
         return [out] + extra if extra else out
@@ -125,6 +123,49 @@ def scaled_dot_product_attention(it: VelocityInterpreter, n: torch.fx.Node, a: A
     out = AValue(exps=ex, shape=out_shape, growth=growth, max_abs=growth, jacobian=jacobian,
                  rule="attention atom: q = q_V, sigma = max(sigma_logits + q_V, sigma_V)")
     return [out] + extra if extra else out
+
+
+def _auxiliary_outputs(it: VelocityInterpreter, n: torch.fx.Node, a: Args, conc: Sequence[Any]) -> List[AValue]:
+    """The outputs of a fused attention after the first: the row-wise ``logsumexp`` of the logits (the second
+    output, kept for the backward), then integer seeds, offsets and sizes (constants; they never overflow a float).
+
+    ``|s q_i . k_j| <= |s| N(q) N(k)``, so ``logsumexp_j`` of the logits plus a constant mask lies within
+    ``|s| N(q) N(k) + max |mask| + log(keys)`` of zero (docs/theory.md section 2); a mask with infinite entries can
+    make a row's ``logsumexp`` ``-inf`` (every key masked), so the bound is not derived then.
+    """
+    out: List[AValue] = []
+    for k, c in enumerate(conc[1:], start=1):
+        if not isinstance(c, torch.Tensor) or not (c.is_floating_point() or c.is_complex()):
+            out.append(AValue.constant(c) if isinstance(c, torch.Tensor) else
+                       AValue.unknown((), "attention auxiliary output"))
+            continue
+        out.append(_logsumexp_bound(it, n, a, tuple(c.shape)) if k == 1 else
+                   AValue.unknown(tuple(c.shape), "attention auxiliary output", "a fused attention's debug output"))
+    return out
+
+
+def _logsumexp_bound(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Tuple[int, ...]) -> AValue:
+    q, k, mask = a["query"], a["key"], a.get("attn_mask", a.get("attn_bias"))
+    why = ""
+    if q.growth is None or k.growth is None:
+        why = "the query or key bound is not derived"
+    elif isinstance(mask, AValue) and not mask.const:
+        why = "the attention mask depends on the input"
+    m = 0.0
+    if not why and isinstance(mask, AValue):
+        m = float(mask.value.double().abs().max()) if mask.value.numel() else 0.0
+        if not math.isfinite(m):
+            why = "the mask has infinite entries (a row of masked keys has logsumexp -inf)"
+    s = a.get("scale")
+    s = 1.0 / math.sqrt(q.shape[-1]) if s is None else abs(float(s))
+    if why:
+        return AValue.unknown(shape, "attention logsumexp", f"the logsumexp output of {n.name}: {why}")
+    keys = k.shape[-2] if k.ndim >= 2 else 1
+    bound = (q.growth * k.growth).scale(s) + Poly.const(m + math.log(max(keys, 1)))
+    logits = E.product(*[t.exps for t in (q, k) if not t.const]) if not (q.const and k.const) else E.CONSTANT
+    rows = math.sqrt(shape[-1]) if shape else 1.0
+    return AValue(exps=Exponents(logits.q, None), shape=shape, growth=bound.scale(rows), max_abs=bound,
+                  rule="attention logsumexp (|lse| <= |s| N(q) N(k) + max|mask| + log keys)")
 
 
 #: Ops that move whole rows, or split each row into sub-rows, without mixing tokens: followed back from the

@@ -11,7 +11,7 @@ outside the class.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -52,6 +52,10 @@ def _worst_row(t: torch.Tensor) -> torch.Tensor:
                reads=("input", "normalized_shape", "weight", "bias", "eps"))
 def layer_norm(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> Any:
     x, w, b, eps = a["input"], a.get("weight"), a.get("bias"), float(a.get("eps", 1e-5))
+    native = op_name(n.target) == "aten.native_layer_norm"
+    conc = it.g.env[n.name] if native else None
+    if native:
+        shape = tuple(conc[0].shape)  # (output, mean, rstd): the node's own shape is not a tensor's
     for p in (w, b):
         if isinstance(p, AValue) and not p.const:
             return unknown(shape, "layer_norm with input-dependent affine parameters")
@@ -62,11 +66,32 @@ def layer_norm(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape)
                              _worst_row(b.value) if isinstance(b, AValue) else None, eps,
                              numel=math.prod(a["normalized_shape"]), d=shape[-1])
     out = norm_value(x, shape, bound, jac, "(LayerNorm)")
-    if op_name(n.target) == "aten.native_layer_norm":
-        conc = it.g.env[n.name]
-        return [out, AValue.unknown(tuple(conc[1].shape), "layer_norm mean"),
-                AValue.unknown(tuple(conc[2].shape), "layer_norm rstd")]
+    if native:
+        return [out, *_layer_norm_statistics(x, tuple(conc[1].shape), tuple(conc[2].shape), eps)]
     return out
+
+
+#: ``max_v sqrt(v) / (v + eps)^(3/2) = c / eps`` (at ``v = eps / 2``), rounded up.
+_RSTD_SLOPE = 0.3850
+
+
+def _layer_norm_statistics(x: AValue, mean_shape: Shape, rstd_shape: Shape, eps: float) -> List[AValue]:
+    """``native_layer_norm``'s saved mean and ``rstd = 1 / sqrt(var + eps)`` (their last dim is 1: a row norm is an
+    entry).  The mean of a group is at most its largest entry and moves by at most the largest moved entry.
+    ``0 < rstd <= 1 / sqrt(eps)``; ``|d var| <= 2 sqrt(var) ||dx||_2 / sqrt(n)`` over the group of ``n`` entries
+    (centring is a projection), ``||dx||_2 <= sqrt(n) N(dx)`` (at most ``n`` rows), so
+    ``|d rstd| <= sqrt(var) (var + eps)^(-3/2) N(dx) <= 0.385 / eps N(dx)`` (docs/theory.md section 2).  Both are
+    bounded by a rounding allowance of the low-precision dtypes (``1 + 2^-7``)."""
+    slack = 1.0 + 2.0 ** -7
+    entries = x.entry_bound()
+    mean = AValue(exps=x.exps, shape=mean_shape, growth=None if entries is None else entries.scale(slack),
+                  max_abs=None if entries is None else entries.scale(slack),
+                  jacobian=None if x.jacobian is None else x.jacobian.scale(slack), rule="layer_norm mean (linear)")
+    top = slack / math.sqrt(eps)
+    rstd = AValue(exps=E.normalize(x.exps), shape=rstd_shape, growth=Poly.const(top), max_abs=Poly.const(top),
+                  jacobian=None if x.jacobian is None else x.jacobian.scale(slack * _RSTD_SLOPE / eps), sign="+",
+                  rule="layer_norm rstd (0 < rstd <= 1/sqrt(eps))")
+    return [mean, rstd]
 
 
 @register_rule("aten.rms_norm", reads=("input", "normalized_shape", "weight", "eps"))
