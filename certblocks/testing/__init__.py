@@ -46,3 +46,7 @@ __all__ = ["CHECKS", "DEFAULT_RADII", "DEFAULT_RTOL", "FAMILIES", "LOSSES", "MOD
            "ModelSoundnessReport", "SoundnessReport", "as_atom", "assert_model_sound", "assert_sound",
            "jacobian_norm_lower", "largest_intermediate", "random_inputs", "search", "search_growth", "search_jacobian",
            "search_model", "search_peak", "token_norm"]
+
+# OpInfo conformance of the tracer's rules (certblocks.testing.conformance, which imports certblocks.trace)
+from .conformance import ConformanceReport, Sample, check_rule, run_conformance  # noqa: E402,I001
+__all__ += ["ConformanceReport", "Sample", "check_rule", "run_conformance"]
