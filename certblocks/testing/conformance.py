@@ -66,6 +66,7 @@ import functools
 import io
 import json
 import math
+import random
 import sys
 import time
 import types
@@ -849,6 +850,38 @@ def _inputs_known(n: torch.fx.Node, values: Mapping[str, Any]) -> bool:
     return all(_derived(values.get(a.name)) for a in _op_inputs(n))
 
 
+def _seed_all(seed: int) -> None:
+    """Seed torch's, Python's and NumPy's global generators (OpInfo sample functions draw from all three)."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # pragma: no cover - numpy is a torch dependency in practice
+        pass
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """Run with the global generators seeded, and give the caller back their states."""
+    state = random.getstate()
+    try:
+        import numpy as np
+
+        np_state: Any = np.random.get_state()
+    except ImportError:  # pragma: no cover
+        np, np_state = None, None
+    with torch.random.fork_rng(devices=[]):
+        _seed_all(seed)
+        try:
+            yield
+        finally:
+            random.setstate(state)
+            if np is not None:
+                np.random.set_state(np_state)
+
+
 def _fn_for(op: str) -> Callable[..., Any]:
     ns, _, name = op.partition(".")
     try:
@@ -877,7 +910,7 @@ def check_samples(samples: Iterable[Tuple[Sample, Sequence[str], str]], *, effor
     rep = report if report is not None else ConformanceReport()
     rules = registered_rules()
     t0 = time.perf_counter()
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _seeded(seed):  # random ops draw from a seeded stream; the caller's is restored
         warnings.simplefilter("ignore")
         for sample, intended, source in samples:
             _check_one(sample, list(intended), source, effort, seed, rep, rules)
@@ -907,6 +940,7 @@ def _check_one(sample: Sample, intended: List[str], source: str, effort: Effort,
         label = _describe(name, leaves, spec, xi, derived) if not sample.label or variant == "const" else \
             f"{sample.label} {_describe('', leaves, spec, xi, derived)}"
         rep.samples += 1
+        _seed_all(seed + zlib.crc32(f"{label}|{variant}".encode()))  # random ops: the same draws whatever ran before
         module = _Call(fn, leaves, spec, xi, derived)
         x0 = leaves[xi].clone()
         if not bool(torch.isfinite(x0).all()):  # NaN and inf are outside every certificate's domain
@@ -946,7 +980,7 @@ def _check_one(sample: Sample, intended: List[str], source: str, effort: Effort,
                 if n.op == "call_function" and op != "getitem":
                     rep.unruled[op] = rep.unruled.get(op, 0) + 1
                 continue
-            if isinstance(av, AValue) and av.rule.endswith(": rule failed"):
+            if isinstance(av, AValue) and (av.rule.endswith("rule failed") or av.bad.startswith("the rule for")):
                 rep.crashes.setdefault(f"{op}: {av.bad}", f"{label} [{variant}]")
             if isinstance(conc, (list, tuple)):  # a multi-output node counts through its getitems
                 continue
@@ -1036,12 +1070,12 @@ def _opinfo_import() -> Iterator[None]:
         yield
     finally:
         if not frozen and torch.backends.flags_frozen():
-            setattr(torch.backends, "__allow_nonbracketed_mutation_flag", True)
+            torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
 
 
 @functools.lru_cache(maxsize=1)
 def _op_db() -> Tuple[Any, ...]:
-    with _opinfo_import(), warnings.catch_warnings():
+    with _opinfo_import(), warnings.catch_warnings(), _seeded(0):  # the import draws from the global generators
         warnings.simplefilter("ignore")
         from torch.testing._internal.common_methods_invocations import op_db
     return tuple(op_db)
@@ -1086,7 +1120,7 @@ def opinfo_samples(ops: Optional[Iterable[str]] = None, *, per_opinfo: Optional[
     wanted = keys if ops is None else {o.replace("::", ".") for o in ops}
     out: List[Tuple[Sample, List[str], str]] = []
     limit = None if spread else per_opinfo
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _seeded(seed):
         warnings.simplefilter("ignore")
         for info in _op_db():
             targets = [t for t in _opinfo_targets(info, keys) if t in wanted]
@@ -1099,8 +1133,8 @@ def opinfo_samples(ops: Optional[Iterable[str]] = None, *, per_opinfo: Optional[
             for dt in (torch.float64, torch.float32) if float32 else (torch.float64,):
                 if dt not in dtypes or (limit is not None and len(found) >= limit):
                     continue
-                torch.manual_seed(seed + zlib.crc32(f"{name}|{dt}".encode()))
                 try:
+                    _seed_all(seed + zlib.crc32(f"{name}|{dt}".encode()))
                     # the OpInfo's own sample function (its sample_inputs wraps it in a test-tracking iterator that
                     # inspects the call stack at every call: seconds over the database)
                     for s in info.sample_inputs_func(info, "cpu", dt, False):

@@ -136,6 +136,22 @@ def test_the_search_is_deterministic() -> None:
     assert [vars(f) for f in runs[0].findings] == [vars(f) for f in runs[1].findings]
 
 
+def test_the_caller_keeps_its_generators_and_flags() -> None:
+    """Loading the OpInfo database and checking samples leave the global random generators and torch's backend
+    flags as they were (the database freezes the flags on import; sample functions and random ops draw)."""
+    import random
+
+    torch.manual_seed(5)
+    random.seed(5)
+    expected = (torch.rand(3), random.random())
+    torch.manual_seed(5)
+    random.seed(5)
+    opinfo_samples(["aten.add"], per_opinfo=1, spread=False)
+    check_rule("aten.dropout", [Sample((X, 0.5, True))], effort=Effort(radii=(1.0,), draws=1, ascents=0))
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+    assert not torch.backends.flags_frozen()
+
+
 def test_errors_name_the_argument() -> None:
     with pytest.raises(ValueError, match="op must name a registered rule"):
         check_rule("aten.no_such_op", [Sample((X,))])
