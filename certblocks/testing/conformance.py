@@ -972,33 +972,7 @@ def _check_one(sample: Sample, intended: List[str], source: str, effort: Effort,
         if intended and not reached & set(intended):
             shown = ", ".join(sorted(reached)) or "nothing (the output is the input)"
             rep.row(first).skip(f"exported as {shown}")
-        nodes: List[_Node] = []
-        for n in order:
-            op = _node_op(n)
-            av, conc = values.get(n.name), g.env.get(n.name)
-            if op not in rules:
-                if n.op == "call_function" and op != "getitem":
-                    rep.unruled[op] = rep.unruled.get(op, 0) + 1
-                continue
-            if isinstance(av, AValue) and (av.rule.endswith("rule failed") or av.bad.startswith("the rule for")):
-                rep.crashes.setdefault(f"{op}: {av.bad}", f"{label} [{variant}]")
-            if isinstance(conc, (list, tuple)):  # a multi-output node counts through its getitems
-                continue
-            if not isinstance(av, AValue) or not isinstance(conc, Tensor):
-                rep.row(op).skip("value is not a tensor")
-                continue
-            if op in _UNSPECIFIED:
-                rep.row(op).skip("values unspecified (uninitialized memory)")
-                continue
-            node = _Node(n.name, op, av, conc.detach().clone(), conc.is_floating_point() or conc.is_complex())
-            if not node.states_something():
-                if _inputs_known(n, values):
-                    rep.row(op).refused += 1
-                    rep.row(op).sources.add(source)
-                else:
-                    rep.row(op).skip("an input's bound is not derived")
-                continue
-            nodes.append(node)
+        nodes = _checked_nodes(g, order, values, rules, rep, f"{label} [{variant}]", source)
         if not nodes:
             continue
         gen = torch.Generator().manual_seed(seed + zlib.crc32(f"{label}|{variant}".encode()))
@@ -1011,20 +985,57 @@ def _check_one(sample: Sample, intended: List[str], source: str, effort: Effort,
             for node in nodes:
                 rep.row(node.op).skip(f"search raised {type(exc).__name__}")
             continue
-        beaten: Set[str] = set()
-        fx = {n.name: n for n in order}
-        for node in nodes:
-            row = rep.row(node.op)
-            row.sources.add(source)
-            if any(a.name in beaten for a in _op_inputs(fx[node.name])):
-                beaten.add(node.name)  # judged on a bound that is itself beaten: not this rule's finding
-                row.skip("an input's bound is beaten")
-            elif node.findings:
-                beaten.add(node.name)
-                row.failed += 1
-                rep.findings += sorted(node.findings.values(), key=lambda f: f.check)
+        _tally(nodes, order, rep, source)
+
+
+def _checked_nodes(g: CapturedGraph, order: List[torch.fx.Node], values: Mapping[str, Any], rules: Mapping[str, Any],
+                   rep: ConformanceReport, where: str, source: str) -> List[_Node]:
+    """The nodes that state something to check; counts the others (refused, skipped, unruled) and the crashes."""
+    nodes: List[_Node] = []
+    for n in order:
+        op = _node_op(n)
+        av, conc = values.get(n.name), g.env.get(n.name)
+        if op not in rules:
+            if n.op == "call_function" and op != "getitem":
+                rep.unruled[op] = rep.unruled.get(op, 0) + 1
+            continue
+        if isinstance(av, AValue) and (av.rule.endswith("rule failed") or av.bad.startswith("the rule for")):
+            rep.crashes.setdefault(f"{op}: {av.bad}", where)
+        if isinstance(conc, (list, tuple)):  # a multi-output node counts through its getitems
+            continue
+        if not isinstance(av, AValue) or not isinstance(conc, Tensor):
+            rep.row(op).skip("value is not a tensor")
+        elif op in _UNSPECIFIED:
+            rep.row(op).skip("values unspecified (uninitialized memory)")
+        else:
+            node = _Node(n.name, op, av, conc.detach().clone(), conc.is_floating_point() or conc.is_complex())
+            if node.states_something():
+                nodes.append(node)
+            elif _inputs_known(n, values):
+                rep.row(op).refused += 1
+                rep.row(op).sources.add(source)
             else:
-                row.checked += 1
+                rep.row(op).skip("an input's bound is not derived")
+    return nodes
+
+
+def _tally(nodes: List[_Node], order: List[torch.fx.Node], rep: ConformanceReport, source: str) -> None:
+    """Count each searched node as checked or failed, or skip it when an input's bound is itself beaten (the
+    finding is the input's: the node was judged on a bound that does not hold)."""
+    beaten: Set[str] = set()
+    fx = {n.name: n for n in order}
+    for node in nodes:
+        row = rep.row(node.op)
+        row.sources.add(source)
+        if any(a.name in beaten for a in _op_inputs(fx[node.name])):
+            beaten.add(node.name)
+            row.skip("an input's bound is beaten")
+        elif node.findings:
+            beaten.add(node.name)
+            row.failed += 1
+            rep.findings += sorted(node.findings.values(), key=lambda f: f.check)
+        else:
+            row.checked += 1
 
 
 def check_rule(op: str, samples: Sequence[Sample], *, effort: Effort = FULL, seed: int = 0) -> ConformanceReport:
