@@ -46,3 +46,16 @@ __all__ = ["CHECKS", "DEFAULT_RADII", "DEFAULT_RTOL", "FAMILIES", "LOSSES", "MOD
            "ModelSoundnessReport", "SoundnessReport", "as_atom", "assert_model_sound", "assert_sound",
            "jacobian_norm_lower", "largest_intermediate", "random_inputs", "search", "search_growth", "search_jacobian",
            "search_model", "search_peak", "token_norm"]
+
+# OpInfo conformance of the tracer's rules: certblocks.testing.conformance, imported on first use (it imports the
+# tracer, and `python -m certblocks.testing.conformance` must not find it imported by the package)
+_CONFORMANCE = ("ConformanceReport", "Sample", "check_rule", "run_conformance")
+__all__ += list(_CONFORMANCE)
+
+
+def __getattr__(name: str) -> object:
+    if name in _CONFORMANCE:
+        from . import conformance
+
+        return getattr(conformance, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
