@@ -197,7 +197,6 @@ unreachable: Dict[str, str] = {
     "aten.scalar_tensor": "takes no tensor: its value never depends on the input (folded as a constant)",
     "aten.fill_": "in place: torch.export functionalizes it into aten.fill",
     "aten.lift_fresh": "torch.export records aten.lift_fresh_copy",
-    "aten.softsign": "not an aten operator in this torch (F.softsign is x / (1 + |x|): abs, add, div)",
     "aten.empty_like": "its values are uninitialized memory: only its shape means something",
     "aten.new_empty": "its values are uninitialized memory: only its shape means something",
     "aten._scaled_dot_product_efficient_attention": "CUDA only (no CPU kernel)",

@@ -303,6 +303,8 @@ class VelocityInterpreter:
             [e for v in args.values() if isinstance(v, (list, tuple)) for e in v if isinstance(e, AValue)]
         if isinstance(conc, torch.Tensor) and all(v.const for v in tensors) and not any(r in name for r in _RANDOM):
             return AValue.constant(conc, "constant (inputs do not depend on x)")
+        if isinstance(conc, torch.Tensor) and conc.numel() == 0:  # shapes are static: empty for every input
+            return AValue.constant(conc, "empty tensor (no entry to bound)")
         rule = rule_for(name)
         if rule is None:
             return AValue.unknown(shape, name, f"{name} is outside the certified class (no rule for this op)",

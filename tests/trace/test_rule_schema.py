@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import warnings
 
+import certblocks.kernels.ops  # noqa: F401  (registers certblocks::selective_scan with torch)
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import certblocks.kernels.ops  # noqa: F401  (registers certblocks::selective_scan with torch)
 from certblocks.trace import certify
 from certblocks.trace.capture import capture
 from certblocks.trace.interp import VelocityInterpreter

@@ -45,9 +45,16 @@ class Case(nn.Module):
         self.register_buffer("tiny", torch.full((D,), 1e-3))
         self.register_buffer("onehot", torch.eye(5, D))
         self.register_buffer("column", torch.eye(D)[:1].repeat(5, 1))  # every row e_0: ||C h|| = sqrt(5) |h_0|
+        self.register_buffer("after", torch.ones(T, D, dtype=torch.bool).triu(1))  # row t: columns after t
+        self.register_buffer("row_masked", torch.zeros(T, D, dtype=torch.bool).index_fill(0, torch.tensor([1]), True))
 
     def forward(self, x):
         return self.op(self, self.fc(x))
+
+
+def _causal(m: nn.Module) -> torch.Tensor:
+    """An additive causal mask: ``-inf`` after column ``t`` in row ``t`` (a constant of the graph)."""
+    return torch.where(m.after, float("-inf"), 0.0)
 
 
 def _per_sample(f: Callable) -> Callable:
@@ -81,6 +88,9 @@ SOUND: Dict[str, Callable] = {
     "cast to uint8": lambda m, h: h.to(torch.uint8).to(h.dtype) + 0.0 * h,
     # rounding
     "cast to bfloat16": lambda m, h: h.to(torch.bfloat16).to(h.dtype),
+    # -inf masks that leave a finite entry in every row
+    "direct softmax with a causal -inf mask": lambda m, h: torch.softmax(h + _causal(m), -1),
+    "direct softmax after masked_fill": lambda m, h: torch.softmax(h.masked_fill(m.after, float("-inf")), -1),
     # a node's outputs after the first (each counts in the peak)
     "direct native_layer_norm mean and rstd": lambda m, h: (lambda r: r[0] + r[1] + 1e-2 * r[2])(
         torch.ops.aten.native_layer_norm(h, [D], None, None, 1e-5)),
@@ -127,6 +137,10 @@ REFUSED: Dict[str, tuple] = {
     "group_norm with an input-dependent weight": (
         lambda m, h: F.group_norm(h.transpose(1, 2), 2, weight=h[0, 0]), "input-dependent affine parameters"),
     "view reinterpreting the bits": (lambda m, h: h.view(torch.int32).to(h.dtype), "view.dtype"),
+    "softmax of a fully masked row": (
+        lambda m, h: torch.softmax(h.masked_fill(m.row_masked, float("-inf")), -1), "fully masked row"),
+    "softmax of an input with no entry bound": (lambda m, h: torch.softmax(torch.exp(h), -1), "no finite entry"),
+    "log_softmax of a masked input": (lambda m, h: torch.log_softmax(h + _causal(m), -1), "without a finite entry"),
 }
 
 

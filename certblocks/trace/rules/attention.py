@@ -56,10 +56,71 @@ def _coarser(it: VelocityInterpreter, n: torch.fx.Node, k: int) -> float:
     return 0.0 if rounding_factor(src.dtype, out.dtype) == 1.0 else (k + 2) * unit_roundoff(out.dtype)
 
 
+def _maybe_minus_inf(it: VelocityInterpreter, node: Any, shape: Sequence[int]) -> Optional[torch.Tensor]:
+    """The entries of ``node`` (broadcast to ``shape``) that may be ``-inf`` whatever the input, as a bool tensor;
+    ``None`` when an entry may be ``+inf`` or NaN, or where the graph does not tell (an input-dependent value without
+    a finite entry bound that is not one of the masking patterns below).
+
+    Masking patterns: a constant (its ``-inf`` entries), ``z + mask`` with a constant mask, ``where(cond, z, m)``
+    and ``masked_fill(z, mask, -inf)`` with a constant condition (the union where it depends on the input), each
+    operand read the same way; an input-dependent value with a finite entry bound is never infinite.
+    """
+    if not isinstance(node, torch.fx.Node):
+        v = torch.as_tensor(node, dtype=torch.float64)
+        return None if bool(torch.isnan(v).any() or (v == math.inf).any()) else torch.broadcast_to(v == -math.inf,
+                                                                                                   tuple(shape))
+    node = strip_exact_casts(node, it.g.env)
+    av = it.value_of(node.name)
+    conc = it.g.env.get(node.name)
+    if av is not None and av.const and isinstance(conc, torch.Tensor):
+        return _maybe_minus_inf(it, conc.detach(), shape)
+    if av is not None and av.entry_bound() is not None and av.entry_bound().is_finite():
+        return torch.zeros(tuple(shape), dtype=torch.bool)
+    name = target_name(node)
+    args = bind_args(node) or {}
+    try:
+        if name == "aten.add" and args.get("alpha", 1) == 1:
+            x, y = _maybe_minus_inf(it, args["self"], shape), _maybe_minus_inf(it, args["other"], shape)
+            return None if x is None or y is None else x | y
+        if name in ("aten.where", "aten.masked_fill"):
+            cond_arg = args["condition"] if name == "aten.where" else args["mask"]
+            a, b = (args["self"], args["other"]) if name == "aten.where" else (args["value"], args["self"])
+            x, y = _maybe_minus_inf(it, a, shape), _maybe_minus_inf(it, b, shape)
+            if x is None or y is None:
+                return None
+            cv = it.value_of(cond_arg.name) if isinstance(cond_arg, torch.fx.Node) else None
+            if cv is not None and cv.const:
+                return torch.where(torch.broadcast_to(it.g.env[cond_arg.name].bool(), tuple(shape)), x, y)
+            return x | y
+    except RuntimeError:  # shapes that do not broadcast to the softmax's input: not a mask of it
+        return None
+    return None
+
+
+def _row_may_be_nan(it: VelocityInterpreter, n: torch.fx.Node, z: AValue, shape: Sequence[int], dim: int
+                    ) -> Optional[str]:
+    """Why a (log-)softmax row along ``dim`` may be NaN (every entry ``-inf``, or a ``+inf`` or NaN entry); ``None``
+    when every row has a finite entry and no ``+inf`` whatever the input (``softmax`` of such a row is finite)."""
+    entries = z.entry_bound()
+    if entries is not None and entries.is_finite():
+        return None
+    pattern = _maybe_minus_inf(it, n.args[0] if n.args else None, shape)
+    if pattern is None:
+        return "its input has no finite entry bound and is not a constant mask of a bounded value: an entry may be " \
+               "+inf or NaN, or a whole row -inf (the softmax is then NaN)"
+    if bool(pattern.all(dim=dim).any()):
+        return "a row of its input is -inf at every entry (a fully masked row: the softmax is NaN)"
+    return None
+
+
 @register_rule("aten.softmax", "aten._softmax", "aten.special_softmax", reads=("self", "dim", "dtype", "half_to_float"))
 def softmax(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
-    """Probabilities along ``dim``; computed in a coarser dtype they sum to at most ``1 + (k + 2) u``."""
+    """Probabilities along ``dim``; computed in a coarser dtype they sum to at most ``1 + (k + 2) u``.  A row that may
+    be NaN (:func:`_row_may_be_nan`) is refused."""
     dim = int(a["dim"]) % max(len(shape), 1)
+    why = _row_may_be_nan(it, n, a["self"], shape, dim)
+    if why:
+        return AValue.unknown(tuple(shape), "softmax", f"softmax: {why}")
     out = softmax_value(a["self"], shape, dim, "softmax")
     slack = _coarser(it, n, shape[dim] if shape else 1)
     if slack:
@@ -72,9 +133,12 @@ def softmax(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) ->
 def log_softmax(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
     x = a["self"]
     dim = int(a["dim"]) % max(len(shape), 1)
-    k = shape[dim]
-    d = shape[-1]
+    k = shape[dim] if shape else 1  # a 0-d input is one entry
+    d = shape[-1] if shape else 1
     entries = x.entry_bound()
+    if entries is None or not entries.is_finite():  # a -inf entry gives -inf, a row of them NaN
+        return AValue.unknown(tuple(shape), "log_softmax", "log_softmax of an input without a finite entry bound: a "
+                              "masked (-inf) entry gives -inf, a fully masked row NaN")
     rf = 1.0 + _coarser(it, n, k)
     # |z_i - logsumexp(z)| <= 2 max|z| + log k
     m = None if entries is None else (entries.scale(2.0) + Poly.const(math.log(k))).scale(rf)

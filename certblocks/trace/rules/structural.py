@@ -122,13 +122,17 @@ def dropout(it: Any, n: torch.fx.Node, a: Args, shape: Shape) -> Any:
     if active and "alpha" in name:
         return unknown(shape, f"{name.split('.')[-1]} in training (p={p:g}): an affine map of the kept entries")
     f = 1.0 / (1.0 - p) if active and p < 1 else 1.0
+    native = name == "aten.native_dropout"
+    if native:  # (output, mask): the node's own shape is not a tensor's
+        shape = tuple(x.shape)
     out = scaled(x, shape, f, entry_factor=f, rule="dropout" + (" (train: scale 1/(1-p))" if active else " (identity)"))
     out.stochastic_dim = None if active else x.stochastic_dim
-    if name == "aten.native_dropout":
+    if native:
         if not active:
             return [out, AValue.constant(torch.ones(shape, dtype=torch.bool))]
-        mask = AValue(exps=E.Exponents(0.0, 0.0), shape=tuple(shape), growth=Poly.const(sqrt_last(shape)),
-                      max_abs=Poly.const(1.0), jacobian=Poly.ZERO, sign="+", rule="dropout mask (random, 0 or 1)")
+        # a fresh random draw at every call: 0 or 1 entrywise, not a function of the input (sigma not derived)
+        mask = AValue(exps=E.Exponents(0.0, None), shape=tuple(shape), growth=Poly.const(sqrt_last(shape)),
+                      max_abs=Poly.const(1.0), sign="+", rule="dropout mask (random, 0 or 1)")
         return [out, mask]
     return out
 
