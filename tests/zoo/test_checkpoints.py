@@ -293,9 +293,8 @@ def test_zoo_save_pretrained_from_pretrained_round_trips(tmp_path, name):
 
 
 def test_zoo_gpt2_keeps_its_dtype_its_tie_and_saves_a_tied_weight_once(tmp_path):
-    from safetensors import safe_open
-
     from certblocks.zoo import GPT2QKNorm
+    from safetensors import safe_open
 
     m = GPT2QKNorm(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=32, dtype=torch.bfloat16)
     sd = m.state_dict()
@@ -312,8 +311,9 @@ def test_zoo_gpt2_keeps_its_dtype_its_tie_and_saves_a_tied_weight_once(tmp_path)
 
 
 def test_zoo_from_pretrained_errors_and_overrides(tmp_path):
-    from certblocks import CertificationError
     from certblocks.zoo import GPT2QKNorm, PatchTSTForecaster, create_model
+
+    from certblocks import CertificationError
 
     m = create_model("gpt2_qknorm_test")
     m.save_pretrained(tmp_path)

@@ -63,8 +63,9 @@ def test_certify_exit_1_when_a_zoo_model_is_not_certified(capsys):
 
 
 def test_the_cli_knows_every_zoo_name_without_importing_the_zoo():
-    from certblocks.cli.models import ZOO_NAMES, check_spec
     from certblocks.zoo import list_models, model_entry
+
+    from certblocks.cli.models import ZOO_NAMES, check_spec
 
     shipped = [n for n in list_models(include_test=True) if model_entry(n).fn.__module__.startswith("certblocks.zoo")]
     assert sorted(ZOO_NAMES) == shipped  # (other tests register models of their own)
