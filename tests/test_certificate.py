@@ -114,12 +114,16 @@ def test_unknown_update_stops_certification():
 def test_explain_is_a_readable_table():
     certs = [BlockCertificate(1, 2, c=1.0, l1=1.0, l0=1.0, name=f"blocks.{k}.attn") for k in range(13)]
     s = certify_stack(certs, "fp32")
-    text = s.explain()
+    text = s.explain(fixes=True)
     assert "blocks.12.attn" in text and "NOT certified" in text and "fix:" in text
     # header, columns, rule, rows, R_n, what is not checked, verdict, culprit fix, computed fixes
     assert len(text.splitlines()) == 13 + 8
     assert "not checked: segment(s) 0, 1, 2, 3, 4, 5, 6, 7, ... (13 in all) state no peak" in text
     assert text.splitlines()[-1].startswith("fixes (each certified again): dt <= ")
+    # without fixes=True nothing is computed: the last line says how to get them, the rest is the same
+    plain = s.explain()
+    assert plain.splitlines()[:-1] == text.splitlines()[:-1] and "explain(fixes=True)" in plain.splitlines()[-1]
+    assert "_fixes" not in s.__dict__ or s.__dict__["_fixes"] == tuple(s.fixes())
     ok = certify_stack(certs[:3], "fp32")
     assert "certified: all 3 updates" in ok.explain()
     data = json.loads(s.to_json())
