@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Sequence, Tuple, Union
 from . import budget as _budget
 from ._format import fmt_num as _fmt_num
 from ._format import render_table
+from ._validation import check_choice
 
 if TYPE_CHECKING:
     from .fixes import Fix
@@ -154,8 +155,7 @@ class BlockCertificate:
     kind: str = "update"
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        check_choice("kind", self.kind, KINDS)
         if self.peak is not None and not isinstance(self.peak, Peak):
             raise TypeError(f"peak must be a Peak or None, got {type(self.peak).__name__}")
         e = Exponents(self.q, self.sigma)  # validates q and sigma

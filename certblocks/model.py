@@ -66,7 +66,7 @@ from typing import (
 import torch
 from torch import Tensor, nn
 
-from ._validation import check_int
+from ._validation import check_bool, check_int, check_real
 from .bounds import one_thread
 from .budget import DTYPE_MAX, dtype_name
 from .certificate import BlockCertificate, StackCertificate, certify_stack
@@ -388,12 +388,7 @@ def _lists_updates(model: Any) -> bool:
 
 
 def _real(name: str, value: Any, *, positive: bool = False) -> Optional[float]:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
-            value <= 0 if positive else value < 0):
-        raise ValueError(f"{name} must be a finite number {'>' if positive else '>='} 0 or None, got {value!r}")
-    return float(value)
+    return check_real(name, value, positive=positive, nonnegative=not positive, optional=True)
 
 
 @dataclass
@@ -731,8 +726,7 @@ def as_certified(obj: Any, *, r0: Optional[float] = None, seq_len: Optional[int]
     lip = _real("lip_g", lip_g, positive=True)
     if seq_len is not None:
         check_int("seq_len", seq_len)
-    if strict is not None and not isinstance(strict, bool):
-        raise TypeError(f"strict must be a bool or None, got {strict!r}")
+    check_bool("strict", strict, optional=True)
     given = dict(r0_given=r0 is not None, seq_len_given=seq_len is not None, lip_g_given=lip is not None,
                  example_input=example_input, strict=strict)
     if isinstance(obj, CertifiedModel):

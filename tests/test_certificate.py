@@ -58,7 +58,7 @@ def test_unknown_exponents_give_unknown_depths():
 
 
 def test_depths_validate_run_parameters():
-    with pytest.raises(ValueError, match="^dt must be > 0"):
+    with pytest.raises(ValueError, match="^dt must be a finite number > 0"):
         BlockCertificate(1, 0).depths("fp16", dt=0)
     with pytest.raises(ValueError, match="dtype 'fp12' is not supported"):
         BlockCertificate(1, 0).depths("fp12")

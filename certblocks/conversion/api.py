@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from torch import nn
 
 from .._format import fmt_num
+from .._validation import check_bool, check_callable
 from ..certificate import BlockCertificate, StackCertificate
 from ..exponents import NORM, Exponents
 from ..fixes import Lever, compute_fixes, recertify
@@ -183,11 +184,9 @@ def convert(model: nn.Module, *, filter_fn: Optional[Callable[[str, nn.Module], 
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    if filter_fn is not None and not callable(filter_fn):
-        raise TypeError(f"filter_fn must be callable(path, module) -> bool, got {type(filter_fn).__name__}")
+    check_callable("filter_fn", filter_fn, "callable(path, module) -> bool", optional=True)
     for name, flag in (("remove_norms", remove_norms), ("inplace", inplace), ("strict", strict)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {flag!r}")
+        check_bool(name, flag)
     from ..budget import dtype_name
 
     dtype = dtype_name(dtype)

@@ -8,6 +8,7 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 
 from torch import nn
 
+from .._validation import check_callable
 from ..exponents import Exponents
 
 __all__ = ["Converter", "register_converter", "unregister_converter", "registered_converters", "converter_for",
@@ -98,8 +99,7 @@ def register_converter(match: Union[Callable[[nn.Module], bool], type, str],
         TypeError: an argument of the wrong type.
         ValueError: ``name`` is already registered and ``replace`` is False.
     """
-    if not callable(build):
-        raise TypeError(f"build must be callable(module, model) -> nn.Module, got {type(build).__name__}")
+    check_callable("build", build, "callable(module, model) -> nn.Module")
     if not isinstance(kind, str) or not kind:
         raise TypeError(f"kind must be a non-empty str, got {kind!r}")
     if isinstance(exponents_before, tuple) and not isinstance(exponents_before, Exponents):
@@ -107,8 +107,7 @@ def register_converter(match: Union[Callable[[nn.Module], bool], type, str],
     if not isinstance(exponents_before, Exponents) and not callable(exponents_before):
         raise TypeError(f"exponents_before must be an Exponents, a (q, sigma) pair or a callable, got "
                         f"{type(exponents_before).__name__}")
-    if exact is not None and not callable(exact):
-        raise TypeError(f"exact must be callable(module) -> bool, got {type(exact).__name__}")
+    check_callable("exact", exact, "callable(module) -> bool", optional=True)
     name = name or getattr(build, "__qualname__", None) or repr(build)
     conv = Converter(name, _matcher(match), build, kind, exponents_before, exact or (lambda m: False),
                      bool(keeps_hf_cache))

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from .._format import fmt_num
+from .._validation import check_choice
 from ..budget import float_max
 
 __all__ = ["UpdateTrajectory", "HeadTrajectory", "TrajectoryReport", "QUANTITIES", "BASES"]
@@ -302,8 +303,7 @@ class TrajectoryReport:
         """``(forward headroom, backward headroom, basis used)`` on ``basis``: ``"measured"`` (both sides as the
         batch ran), ``"estimate"`` or ``"certified"`` (the certified backward bound).  A basis the report has no
         figure for falls back to ``"estimate"``, and without estimates (``jacobians=False``) to ``"measured"``."""
-        if basis not in BASES:
-            raise ValueError(f"basis must be one of {', '.join(map(repr, BASES))}, got {basis!r}")
+        check_choice("basis", basis, BASES)
         for b in (basis, "estimate", "measured", "certified"):
             sides = self._sides(b)
             if sides is not None:
