@@ -14,7 +14,8 @@ import statistics
 import time
 from pathlib import Path
 
-from certblocks import BlockCertificate, certify_stack
+from certblocks import BlockCertificate
+from certblocks.certificate import certify_stack
 
 
 def median_time(fn, repeats: int) -> float:

@@ -7,8 +7,10 @@ import math
 
 import pytest
 
-from certblocks import BlockCertificate, Exponents, certify_stack, float_max
-from certblocks.budget import backward_overflow_depth, forward_overflow_depth
+from certblocks import BlockCertificate
+from certblocks.budget import backward_overflow_depth, float_max, forward_overflow_depth
+from certblocks.certificate import certify_stack
+from certblocks.exponents import Exponents
 
 
 def test_block_certificate_fields_and_defaults():
@@ -157,7 +159,7 @@ def test_lip_g_shifts_the_backward_budget():
 
 
 def test_peak_lowers_the_forward_depth_and_names_the_intermediate():
-    from certblocks import Peak
+    from certblocks.certificate import Peak
 
     logits = Peak(2, 0.5, 0.0, what="query-key logits")
     plain = BlockCertificate(1, 2, c=2.0, l1=0.0, l0=0.0, name="attn")
@@ -175,7 +177,7 @@ def test_peak_lowers_the_forward_depth_and_names_the_intermediate():
 
 
 def test_stack_depth_with_peaks_matches_homogeneous_depth():
-    from certblocks import Peak
+    from certblocks.certificate import Peak
 
     for peak in (Peak(2, 1e-3), Peak(1, 40.0, 3.0), Peak(0, 1.0, 2.0)):
         cert = BlockCertificate(1, 0, c=0.5, b=0.25, l1=0.0, l0=0.5, peak=peak)
@@ -186,7 +188,7 @@ def test_stack_depth_with_peaks_matches_homogeneous_depth():
 
 
 def test_peak_validation():
-    from certblocks import Peak
+    from certblocks.certificate import Peak
 
     with pytest.raises(ValueError, match="peak c"):
         Peak(1, -1.0)

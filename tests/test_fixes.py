@@ -13,7 +13,8 @@ import random
 import pytest
 import torch
 
-from certblocks import MLP, BlockCertificate, CertificationError, QKNormAttention, build_stack, certify_stack
+from certblocks import MLP, BlockCertificate, CertificationError, QKNormAttention, build_stack
+from certblocks.certificate import certify_stack
 from certblocks.fixes import LEVERS, Fix, compute_fixes, recertify
 
 pytest.importorskip("timm")
