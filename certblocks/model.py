@@ -410,6 +410,8 @@ class CertifiedModel:
         wrapper: what :meth:`__call__` calls (the object handed in: a DDP or compiled wrapper calls through it).
         dtype: the model's own certification dtype (a stack's, a zoo model's ``cert_dtype``), else ``None``.
         example_input: the batch a ``"graph"`` model's certificate is captured on.
+        residual: how a ``"graph"`` model's updates are found in its graph (:func:`certblocks.certify`'s
+            ``residual``: ``"auto"``, ``None`` for the whole model as one velocity, or module path patterns).
         r0_given, seq_len_given, lip_g_given: ``r0`` / ``seq_len`` / ``lip_g`` were given to :func:`as_certified`
             (they override the model's own).
         strict: the envelope's ``strict`` to set when :meth:`certificate` records one (``None``: leave it).
@@ -427,10 +429,12 @@ class CertifiedModel:
     wrapper: Any = field(default=None, repr=False)
     dtype: Optional[str] = None
     example_input: Any = field(default=None, repr=False)
+    residual: Any = "auto"
     r0_given: bool = False
     seq_len_given: bool = False
     lip_g_given: bool = False
     strict: Optional[bool] = None
+    _traced: Any = field(default=None, repr=False, compare=False)  # (key, ModelCertificate) of graph_report()
 
     # -- the updates -------------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -579,14 +583,36 @@ class CertifiedModel:
             self._record_envelope(name, n, r)
         return cert
 
-    def _graph_certificate(self, dtype: str, r0: Optional[float]) -> StackCertificate:
+    def graph_report(self) -> Any:
+        """The :class:`~certblocks.trace.ModelCertificate` a ``"graph"`` model's certificate is read from (its updates
+        found in the graph captured on ``example_input``, each with its per-node explanation), or ``None`` for a model
+        whose updates are listed (its certified blocks: their certificates are their own).
+
+        Captured once for the current weights, train/eval mode and batch (a change of any captures again): the
+        certificate and the fixes of a graph model share one capture.
+
+        Raises:
+            ValueError: a graph model without ``example_input``.
+            certblocks.trace.CaptureError: ``torch.export`` cannot capture the model on the batch.
+        """
+        if self.kind != "graph":
+            return None
         if self.example_input is None:
             raise ValueError(f"{type(self.module).__name__} has no certified block: its updates are read from its "
                              "graph, which needs a batch (as_certified(model, example_input=...))")
         from .trace import ModelCertificate, certify
 
-        rep = certify(self.module, self.example_input)  # type: ignore[arg-type]
-        rep = rep if isinstance(rep, ModelCertificate) else ModelCertificate([rep], type(self.module).__name__)
+        assert self.module is not None
+        key = (id(self.example_input), repr(self.residual), self.module.training,
+               tuple((id(p), p._version) for p in self.module.parameters()))
+        if self._traced is None or self._traced[0] != key:
+            rep = certify(self.module, self.example_input, residual=self.residual)
+            rep = rep if isinstance(rep, ModelCertificate) else ModelCertificate([rep], type(self.module).__name__)
+            self._traced = (key, rep)
+        return self._traced[1]
+
+    def _graph_certificate(self, dtype: str, r0: Optional[float]) -> StackCertificate:
+        rep = self.graph_report()
         if r0 is None:
             own = getattr(self.module, "input_radius", None)
             r0 = float(own()) if callable(own) else self.radius()
@@ -701,8 +727,8 @@ def underlying(obj: Any) -> Any:
 
 
 def as_certified(obj: Any, *, r0: Optional[float] = None, seq_len: Optional[int] = None, dt: Optional[float] = None,
-                 example_input: Any = None, lip_g: Optional[float] = None, strict: Optional[bool] = None
-                 ) -> CertifiedModel:
+                 example_input: Any = None, lip_g: Optional[float] = None, strict: Optional[bool] = None,
+                 residual: Union[str, Sequence[str], None] = "auto") -> CertifiedModel:
     """Read any model as a :class:`CertifiedModel` (module docstring: what is recognized and how).
 
     Args:
@@ -716,6 +742,8 @@ def as_certified(obj: Any, *, r0: Optional[float] = None, seq_len: Optional[int]
         example_input: a batch (tensor, tuple, mapping), for a model whose updates are read from its graph.
         lip_g: ``Lip(G)`` of the head (default the stack's, else 1; a zoo model's head certificate when ``None``).
         strict: set the envelope's ``strict`` (:class:`Envelope`): raise at a forward outside it.
+        residual: how a model read from its graph finds its updates (:func:`certblocks.certify`'s ``residual``);
+            anything but ``"auto"`` reads any ``nn.Module`` from its graph (kind ``"graph"``), certified blocks or not.
 
     Raises:
         TypeError: ``obj`` is none of the above, or a pair is not ``(str, nn.Module)``.
@@ -728,7 +756,7 @@ def as_certified(obj: Any, *, r0: Optional[float] = None, seq_len: Optional[int]
         check_int("seq_len", seq_len)
     check_bool("strict", strict, optional=True)
     given = dict(r0_given=r0 is not None, seq_len_given=seq_len is not None, lip_g_given=lip is not None,
-                 example_input=example_input, strict=strict)
+                 example_input=example_input, strict=strict, residual=residual)
     if isinstance(obj, CertifiedModel):
         return obj if not any((r0 is not None, seq_len is not None, dt is not None, lip_g is not None)) else \
             dataclasses.replace(obj, r0=obj.r0 if r0 is None else r0, seq_len=obj.seq_len if seq_len is None else
@@ -749,7 +777,10 @@ def as_certified(obj: Any, *, r0: Optional[float] = None, seq_len: Optional[int]
                         f"certified blocks, or read from its graph) or a sequence of (name, module) pairs, got "
                         f"{type(obj).__name__}")
     common = dict(module=model, wrapper=wrapper, **given)
-    if isinstance(model, CertifiedStack):
+    if not (isinstance(residual, str) and residual == "auto"):  # asked to read the updates from the graph
+        out = CertifiedModel([], [], dt=dt_v or 1.0, r0=1.0 if r0 is None else r0, seq_len=seq_len, lip_g=lip or 1.0,
+                             kind="graph", **common)
+    elif isinstance(model, CertifiedStack):
         _same_dt(dt_v, model.dt, model)
         n = len(model.blocks)
         out = CertifiedModel([f"blocks.{k}" for k in range(n)], list(model.blocks), dt=model.dt,

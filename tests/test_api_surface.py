@@ -134,3 +134,46 @@ def test_one_table_renderer_for_text_and_markdown():
         render_table(["a", "b"], [["x"]])
     with pytest.raises(ValueError, match="align must be one letter"):
         render_table(["a"], [["x"]], align="c")
+
+
+# ---------------------------------------------------------------------------------------------- the CLI and the spine
+def _cli(capsys, *argv):
+    from certblocks import cli
+
+    code = cli.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_certify_reads_a_zoo_model_through_the_spine_and_prints_its_fixes(capsys):
+    import json
+
+    import torch
+
+    from certblocks.model import as_certified
+    from certblocks.zoo import create_model
+
+    code, out, err = _cli(capsys, "certify", "mamba_forecaster_free_test", "--dtype", "fp16", "--json")
+    assert code == 1 and err == ""
+    doc = json.loads(out)
+    torch.manual_seed(0)
+    cm = as_certified(create_model("mamba_forecaster_free_test", certify=False))
+    cert = cm.certificate("fp16")
+    assert doc["read_from"] == "zoo" and doc["stack"]["certified_depth"] == cert.certified_depth == 0
+    assert [u["name"] for u in doc["certificates"]["updates"]] == [u.name for u in cert.updates]
+    assert [f["text"] for f in doc["stack"]["fixes"]] == [f.text for f in cm.fixes("fp16")] != []
+    code, text, _ = _cli(capsys, "certify", "mamba_forecaster_free_test", "--dtype", "fp16")
+    assert code == 1 and "NOT certified" in text and "fixes (each certified again): certblocks.enforce(" in text
+
+
+def test_certify_residual_patterns_read_any_model_from_its_graph(capsys):
+    import json
+
+    code, out, err = _cli(capsys, "certify", "gpt2_qknorm_test", "--dtype", "fp32", "--json", "--residual",
+                          "transformer.h.*.attn")
+    assert code in (0, 1), err
+    doc = json.loads(out)
+    assert doc["read_from"] == "graph"
+    assert [u["name"] for u in doc["certificates"]["updates"]] == ["transformer.h.0.attn", "transformer.h.1.attn"]
+    code, _, err = _cli(capsys, "certify", "gpt2_qknorm_test", "--dt", "0.5")
+    assert code == 2 and "dt=0.5 differs from the step 1" in err and len(err.splitlines()) == 1
