@@ -458,6 +458,16 @@ class CertifiedModel:
         return self.kind in ("stack", "zoo")
 
     @property
+    def reads_graph(self) -> bool:
+        """The certificate is read from the graph captured on :attr:`example_input`: a model without certified blocks
+        (kind ``"graph"``), or a model with certified blocks handed in with a batch (kind ``"blocks"``: a converted
+        model certified as it runs -- its kept normalizations, its branches left unconverted and its head in the
+        chain, each certified block by its own certificate where an update is exactly that block).  Without a batch
+        a converted model's certificate is the chain of its blocks (what the monitor watches and
+        :func:`certblocks.enforce` caps)."""
+        return self.kind == "graph" or (self.kind == "blocks" and self.example_input is not None)
+
+    @property
     def loss_gradient(self) -> float:
         """Bound on the loss gradient in the head's output (a zoo model's, else 1)."""
         return float(getattr(self.module, "loss_gradient", 1.0)) if self.kind == "zoo" else 1.0
@@ -569,7 +579,7 @@ class CertifiedModel:
                 raise ValueError(f"dtype: {type(self.module).__name__ if self.module is not None else 'the model'} has "
                                  "no certification dtype of its own; pass one (certificate('bf16'))")
         name = dtype_name(dtype)
-        if self.kind == "graph":
+        if self.reads_graph:
             return self._graph_certificate(name, r0)
         n = seq_len if seq_len is not None else _wider(self.seq_len, used[1])
         r = r0 if r0 is not None else _wider(self.radius(), used[2])
@@ -588,14 +598,14 @@ class CertifiedModel:
         found in the graph captured on ``example_input``, each with its per-node explanation), or ``None`` for a model
         whose updates are listed (its certified blocks: their certificates are their own).
 
-        Captured once for the current weights, train/eval mode and batch (a change of any captures again): the
+        Captured in eval mode, once for the current weights and batch (a change of either captures again): the
         certificate and the fixes of a graph model share one capture.
 
         Raises:
             ValueError: a graph model without ``example_input``.
             certblocks.trace.CaptureError: ``torch.export`` cannot capture the model on the batch.
         """
-        if self.kind != "graph":
+        if not self.reads_graph:
             return None
         if self.example_input is None:
             raise ValueError(f"{type(self.module).__name__} has no certified block: its updates are read from its "
@@ -603,10 +613,11 @@ class CertifiedModel:
         from .trace import ModelCertificate, certify
 
         assert self.module is not None
-        key = (id(self.example_input), repr(self.residual), self.module.training,
-               tuple((id(p), p._version) for p in self.module.parameters()))
+        weights = tuple((id(p), p._version) for p in self.module.parameters())
+        key = (id(self.example_input), repr(self.residual), weights)
         if self._traced is None or self._traced[0] != key:
-            rep = certify(self.module, self.example_input, residual=self.residual)
+            with _eval_mode(self.module):  # a certificate is for the model in eval mode (dropout is the identity)
+                rep = certify(self.module, self.example_input, residual=self.residual)
             rep = rep if isinstance(rep, ModelCertificate) else ModelCertificate([rep], type(self.module).__name__)
             self._traced = (key, rep)
         return self._traced[1]
@@ -637,7 +648,9 @@ class CertifiedModel:
         """For a model refused in ``dtype``, the value of each lever it has that certifies it, each certified
         again (:mod:`certblocks.fixes`): its blocks' ``levers()``, ``dt`` where the model has a step (a stack),
         the number of updates, :func:`certblocks.enforce`'s cap factor (``enforce``) and a wider dtype.  Empty when
-        certified."""
+        certified.  A certificate read from the graph (:attr:`reads_graph`) gets the levers of the updates that are
+        exactly a block or a gained branch, no ``dt`` and no ``enforce`` (enforce certifies the chain of the blocks,
+        another chain)."""
         from .fixes import Fix, compute_fixes
 
         if self.kind in ("stack", "zoo") and callable(getattr(self.module, "fixes", None)) and not (
@@ -646,6 +659,11 @@ class CertifiedModel:
         cert = self.certificate(dtype, record_envelope=False)
         if cert.ok:
             return []
+        if self.reads_graph:  # the traced chain: the levers of the updates that are exactly a block, or gained
+            from .conversion.api import traced_levers
+
+            assert self.module is not None
+            return compute_fixes(cert, levers=traced_levers(self.module, cert), dt=False)
         extra: List[Fix] = []
         if enforce and self.modules and not any(f is not None for f in self.fixed):
             from .enforcement import cap_factor
@@ -666,6 +684,17 @@ class CertifiedModel:
             raise TypeError("(name, module) pairs are not a model: there is nothing to call")
         args, kwargs = as_args(batch)
         return self.wrapper(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _eval_mode(module: nn.Module) -> Iterator[None]:
+    """``module`` in eval mode inside, its own mode restored after."""
+    was = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was)
 
 
 def _wider(own: Optional[float], seen: Optional[float]) -> Any:

@@ -20,7 +20,7 @@ from .builtin import BRANCH_NAMES, GAIN_SLOTS, IdentityNorm, from_package, gain_
 from .registry import Converter, converter_for
 from .report import ABSENT, ConversionError, ConversionReport, ConversionWarning, DepthChange, Swap
 
-__all__ = ["convert", "CONFIG_KEY", "REPORT_DTYPES"]
+__all__ = ["convert", "CONFIG_KEY", "REPORT_DTYPES", "traced_levers"]
 
 _log = logging.getLogger("certblocks.conversion")  # the steps of a conversion, at INFO (the CLI shows them)
 
@@ -118,8 +118,17 @@ def _depth_change(before: StackCertificate, after: StackCertificate, model: nn.M
     ends = [k for k, u in enumerate(after.updates) if u.is_update]
     want = before.certified_depth
     cut = after if want >= len(ends) or want == 0 else recertify(after, after.updates[: ends[want - 1] + 1])
+    # a converted backbone has no residual step dt: the levers are its blocks' and its branch gains'
+    fixes = tuple(f for f in compute_fixes(cut, levers=traced_levers(model, cut), dt=False) if f.lever != "depth")
+    return dataclasses.replace(change, reason=reason, fixes=fixes)
+
+
+def traced_levers(model: nn.Module, cert: StackCertificate) -> Dict[int, List[Lever]]:
+    """The levers of each update of a chain traced from ``model`` (:func:`certblocks.certify`), by segment index: a
+    block's ``levers()`` for an update that is exactly that block (its own certificate: same exponents and
+    coefficients), and the ``init_values`` of the branch gain that scales it (a timm block's ``ls1`` / ``ls2``)."""
     levers: Dict[int, List[Lever]] = {}
-    for k, u in enumerate(cut.updates):
+    for k, u in enumerate(cert.updates):
         if not u.is_update:
             continue
         mod = _own_module(model, u)
@@ -129,9 +138,7 @@ def _depth_change(before: StackCertificate, after: StackCertificate, model: nn.M
             own.append(gain)
         if own:
             levers[k] = own
-    # a converted backbone has no residual step dt: the levers are its blocks' and its branch gains'
-    fixes = tuple(f for f in compute_fixes(cut, levers=levers, dt=False) if f.lever != "depth")
-    return dataclasses.replace(change, reason=reason, fixes=fixes)
+    return levers
 
 
 def _left_above(target: nn.Module, plan: Sequence[Tuple[nn.Module, str, str, nn.Module, Optional[Converter]]]

@@ -50,7 +50,8 @@ def load_converted(source: Union[str, os.PathLike, nn.Module], checkpoint: Any =
 
     Raises:
         ValueError: a checkpoint that does not match the converted architecture (missing, unexpected or misshapen
-            tensors), a recorded module that no registered converter converts, or a directory without a config.
+            tensors), a recorded module that no registered converter converts, a directory without a config, or
+            one whose config records no conversion (a checkpoint of the unconverted model).
         TypeError: arguments of the wrong type.
     """
     if isinstance(source, nn.Module):
@@ -60,6 +61,11 @@ def load_converted(source: Union[str, os.PathLike, nn.Module], checkpoint: Any =
     else:
         raise TypeError(f"source must be a directory or an nn.Module, got {type(source).__name__}")
     record = getattr(getattr(model, "config", None), CONFIG_KEY, None)
+    if not isinstance(record, dict) and not isinstance(source, nn.Module):
+        raise ValueError(f"{os.fspath(source)!r}: its config.json records no conversion ({CONFIG_KEY!r}), so it is "
+                         f"not a checkpoint of a converted model: load it with {type(model).__name__}.from_pretrained "
+                         "(then certblocks.convert it), or pass a freshly built source model: "
+                         "load_converted(model, checkpoint)")
     if isinstance(record, dict):
         wanted = set(record.get("converted", {})) | set(record.get("norms", []))
         rep = convert(model, inplace=True, remove_norms=bool(record.get("norms")) if remove_norms is None
