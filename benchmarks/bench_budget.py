@@ -8,13 +8,15 @@ Prints a table (median of repeats) and writes benchmarks/out/bench_budget.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
 import time
 from pathlib import Path
 
-from certblocks import BlockCertificate, certify_stack
+from certblocks import BlockCertificate
+from certblocks.certificate import certify_stack
 
 
 def median_time(fn, repeats: int) -> float:
@@ -41,6 +43,14 @@ def main() -> None:
         cases[f"BlockCertificate(q={q:g}, sigma=2).depths('fp64')"] = lambda cert=cert: cert.depths("fp64")
     cases["BlockCertificate(q=0.5, sigma=1, c=l1=l0=1e-6).depths('fp64') (closed-form tail)"] = (
         lambda: BlockCertificate(0.5, 1, c=1e-6, l1=1e-6, l0=1e-6).depths("fp64"))
+    # a refused chain's report: to_dict() computes no fix unless asked; with fixes=True, each lever's value by
+    # bisection, certified again (dataclasses.replace: a fresh certificate, so the fixes are not the kept ones)
+    chain = [BlockCertificate(1, 1, c=0.05, l1=0.2, l0=0.1, name=f"u{k}") for k in range(1000)]
+    refused = certify_stack(chain, "fp16")
+    assert not refused.ok
+    cases["StackCertificate.to_dict(), 1,000-update refused chain (fp16)"] = lambda: refused.to_dict()
+    cases["StackCertificate.to_dict(fixes=True), same chain, fixes not yet computed"] = (
+        lambda: dataclasses.replace(refused).to_dict(fixes=True))
     rows = [(name, median_time(fn, args.repeats)) for name, fn in cases.items()]
     width = max(len(n) for n, _ in rows)
     print(f"{'case'.ljust(width)}  median [ms]")

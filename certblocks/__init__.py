@@ -3,89 +3,110 @@
 Decide before training, for a given depth and dtype, whether the forward state or the gradient of a
 residual stack ``X_{k+1} = X_k + dt * v_k(X_k)`` can reach the largest finite value of the dtype.
 
-``import certblocks`` is light: every public name is loaded from its module on first use (PEP 562), so
-that the pure-Python parts (``certblocks.budget``, ``certblocks.certificate``, ``certblocks.exponents``)
-and the ``certblocks budget`` / ``table`` commands never import torch. The functions ``convert`` and
-``enforce`` live in the modules ``certblocks.conversion`` and ``certblocks.enforcement``, named apart so
-that loading a module never replaces the package attribute of the same name.
+The top level holds what a user needs on the first day (16 names):
+
+* certify a model: :func:`certify` (any ``nn.Module``, from its graph), :func:`as_certified` (any model as a
+  :class:`~certblocks.model.CertifiedModel`: ``.certificate(dtype)``, ``.fixes(dtype)``), :func:`build_stack`;
+* make one certifiable: :func:`convert` (swap certified blocks into a backbone), the headline blocks
+  :class:`LinearGrowthMamba`, :class:`QKNormAttention`, :class:`RotaryQKNormAttention`, :class:`GatedMLP`,
+  :class:`MLP`;
+* train it: :class:`CertificateMonitor`, :class:`CertificateWarning`, :func:`enforce`, :func:`trajectory`;
+* read the answer: :class:`BlockCertificate`, :class:`StackCertificate`, :class:`CertificationError`.
+
+Everything else lives in its subpackage: ``certblocks.blocks`` (every block), ``certblocks.certificate``
+(``certify_stack``, ``Depths``, ``Peak``, ``Failure``), ``certblocks.budget`` (``float_max``,
+``jacobian_budget``), ``certblocks.exponents`` (``Exponents``), ``certblocks.conversion`` (reports, errors,
+``register_converter``, ``load_converted``), ``certblocks.enforcement`` (``unenforce``, ``EnforceReport``),
+``certblocks.stack`` (``CertifiedStack``), ``certblocks.trace`` (``register_atom``, ``register_rule``),
+``certblocks.ondata`` (``TrajectoryReport``), ``certblocks.model``, ``certblocks.fixes``, ``certblocks.testing``.
+The names that used to be at the top level still import from here for one release, with a ``DeprecationWarning``
+that names their new place.
+
+``import certblocks`` is light: every name is loaded from its module on first use (PEP 562), so that the
+pure-Python parts (``certblocks.budget``, ``certblocks.certificate``, ``certblocks.exponents``) and the
+``certblocks budget`` / ``table`` commands never import torch.  The functions ``convert`` and ``enforce`` live in
+the modules ``certblocks.conversion`` and ``certblocks.enforcement``, named apart so that loading a module never
+replaces the package attribute of the same name.
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any, Dict, List
 
 __version__ = "0.1.0.dev0"
 
 #: public name -> the module that defines it.
 _LAZY: Dict[str, str] = {
+    "certify": "certblocks.trace",
+    "as_certified": "certblocks.model",
+    "build_stack": "certblocks.stack",
+    "convert": "certblocks.conversion",
+    "enforce": "certblocks.enforcement",
+    "trajectory": "certblocks.ondata",
+    "CertificateMonitor": "certblocks.monitor",
+    "CertificateWarning": "certblocks.monitor",
+    "CertificationError": "certblocks.stack",
+    "BlockCertificate": "certblocks.certificate",
+    "StackCertificate": "certblocks.certificate",
+    "LinearGrowthMamba": "certblocks.blocks",
+    "QKNormAttention": "certblocks.blocks",
+    "RotaryQKNormAttention": "certblocks.blocks",
+    "GatedMLP": "certblocks.blocks",
+    "MLP": "certblocks.blocks",
+}
+
+#: names that were at the top level before the API was made small -> where they live now.  They still import from
+#: ``certblocks`` (with a DeprecationWarning naming the new import) for one release.
+_MOVED: Dict[str, str] = {
     "float_max": "certblocks.budget",
     "jacobian_budget": "certblocks.budget",
-    "BlockCertificate": "certblocks.certificate",
     "Depths": "certblocks.certificate",
     "Failure": "certblocks.certificate",
     "Peak": "certblocks.certificate",
-    "StackCertificate": "certblocks.certificate",
     "certify_stack": "certblocks.certificate",
     "Exponents": "certblocks.exponents",
     "ConversionReport": "certblocks.conversion",
     "ConversionError": "certblocks.conversion",
     "ConversionWarning": "certblocks.conversion",
-    "convert": "certblocks.conversion",
     "EnforceReport": "certblocks.enforcement",
-    "enforce": "certblocks.enforcement",
     "unenforce": "certblocks.enforcement",
-    "CertificationError": "certblocks.stack",
     "CertifiedStack": "certblocks.stack",
-    "build_stack": "certblocks.stack",
-    "certify": "certblocks.trace",
     "register_atom": "certblocks.trace",
     "Attention": "certblocks.blocks",
-    "QKNormAttention": "certblocks.blocks",
-    "RotaryQKNormAttention": "certblocks.blocks",
-    "MLP": "certblocks.blocks",
-    "GatedMLP": "certblocks.blocks",
     "LayerScale": "certblocks.blocks",
     "PatchTSTBlock": "certblocks.blocks",
-    "LinearGrowthMamba": "certblocks.blocks",
     "Mamba": "certblocks.blocks",
-    "CertificateMonitor": "certblocks.monitor",
-    "CertificateWarning": "certblocks.monitor",
-    "trajectory": "certblocks.ondata",
     "TrajectoryReport": "certblocks.ondata",
 }
 
-#: submodules that ``import certblocks`` used to load eagerly; reachable as attributes, loaded on first use.
+#: submodules reachable as attributes (``certblocks.budget.float_max``), loaded on first use.
 _SUBMODULES = ("budget", "certificate", "exponents", "conversion", "enforcement", "stack", "trace", "blocks",
-               "monitor")
+               "monitor", "model", "ondata", "fixes")
 
 if TYPE_CHECKING:  # what static checkers and IDEs see; nothing is imported at run time
-    from .blocks import (
-        MLP,
-        Attention,
-        GatedMLP,
-        LayerScale,
-        LinearGrowthMamba,
-        Mamba,
-        PatchTSTBlock,
-        QKNormAttention,
-        RotaryQKNormAttention,
-    )
-    from .budget import float_max, jacobian_budget
-    from .certificate import BlockCertificate, Depths, Failure, Peak, StackCertificate, certify_stack
-    from .conversion import ConversionError, ConversionReport, ConversionWarning, convert
-    from .enforcement import EnforceReport, enforce, unenforce
-    from .exponents import Exponents
+    from .blocks import MLP, GatedMLP, LinearGrowthMamba, QKNormAttention, RotaryQKNormAttention
+    from .certificate import BlockCertificate, StackCertificate
+    from .conversion import convert
+    from .enforcement import enforce
+    from .model import as_certified
     from .monitor import CertificateMonitor, CertificateWarning
-    from .ondata import TrajectoryReport, trajectory
-    from .stack import CertificationError, CertifiedStack, build_stack
-    from .trace import certify, register_atom
+    from .ondata import trajectory
+    from .stack import CertificationError, build_stack
+    from .trace import certify
 
 
 def __getattr__(name: str) -> Any:
-    """Load a public name (or a submodule) on first use and keep it in the package namespace."""
+    """Load a public name (or a submodule) on first use and keep it in the package namespace; a moved name is
+    loaded from its new module with a ``DeprecationWarning`` (and not kept, so that every use warns)."""
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
+    elif name in _MOVED:
+        where = _MOVED[name]
+        warnings.warn(f"certblocks.{name} moved to {where}: use 'from {where} import {name}' (the top-level name is "
+                      "removed in the next release)", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(where), name)
     elif name in _SUBMODULES:
         value = importlib.import_module(f"{__name__}.{name}")
     else:
@@ -99,38 +120,20 @@ def __dir__() -> List[str]:
 
 
 __all__ = [
-    "Attention",
-    "GatedMLP",
-    "LayerScale",
-    "LinearGrowthMamba",
-    "MLP",
-    "Mamba",
-    "PatchTSTBlock",
-    "QKNormAttention",
-    "RotaryQKNormAttention",
     "certify",
+    "as_certified",
+    "build_stack",
     "convert",
+    "enforce",
+    "trajectory",
     "CertificateMonitor",
     "CertificateWarning",
-    "trajectory",
-    "TrajectoryReport",
-    "enforce",
-    "unenforce",
-    "EnforceReport",
-    "ConversionReport",
-    "ConversionError",
-    "ConversionWarning",
-    "register_atom",
-    "BlockCertificate",
     "CertificationError",
-    "CertifiedStack",
-    "Depths",
-    "Exponents",
-    "Failure",
-    "Peak",
+    "BlockCertificate",
     "StackCertificate",
-    "build_stack",
-    "certify_stack",
-    "float_max",
-    "jacobian_budget",
+    "LinearGrowthMamba",
+    "QKNormAttention",
+    "RotaryQKNormAttention",
+    "GatedMLP",
+    "MLP",
 ]

@@ -1,22 +1,27 @@
-"""Argument and weight checks shared by the blocks, the stack and the zoo.
+"""The argument and weight checks of certblocks: one place for every validator.
 
-Each check raises ``TypeError`` / ``ValueError`` naming the argument, the value received and what is
-allowed, and returns the validated value.  :func:`check_finite` turns a non-finite weight into
-:class:`NonFiniteWeightError` naming the parameter, instead of a certificate computed from NaN.
+Each check raises ``TypeError`` (a value of the wrong type) or ``ValueError`` (a value out of range) whose message
+names the argument, the value received and what is allowed (``dt must be a finite number > 0, got 0.0``), and
+returns the validated value.  :func:`check_finite` turns a non-finite weight into :class:`NonFiniteWeightError`
+naming the parameter, instead of a certificate computed from NaN.
+
+Pure Python at import (torch is imported by the checks on tensors and modules only), so the pure-Python modules
+(``certblocks.budget``, ``certblocks.exponents``) use it too.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
 
-import torch
-import torch.fx
-from torch import nn
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 __all__ = [
     "NonFiniteWeightError",
     "check_bool",
+    "check_callable",
     "check_cert_args",
     "check_choice",
     "check_finite",
@@ -48,6 +53,8 @@ def check_finite(module: nn.Module, prefix: str = "") -> None:
         module: the module whose tensors are checked.
         prefix: prepended to the parameter names (``"blocks.3."``), so the message names the tensor in the model.
     """
+    import torch
+
     bad = []
     for kind in ("parameters", "buffers"):
         for name, t in getattr(module, f"named_{kind}")(remove_duplicate=True):
@@ -63,47 +70,108 @@ def check_finite(module: nn.Module, prefix: str = "") -> None:
         raise NonFiniteWeightError(bad)
 
 
-def check_int(name: str, value: Any, minimum: int = 1) -> int:
-    """``value`` as an int ``>= minimum`` (bools are refused)."""
+def check_int(name: str, value: Any, minimum: int = 1, *, optional: bool = False, note: str = "") -> Any:
+    """``value`` as an int ``>= minimum`` (bools are refused); ``None`` passes when ``optional``.
+
+    Args:
+        name: the argument's name, for the message.
+        value: what was passed.
+        minimum: the smallest value allowed.
+        optional: ``None`` is allowed (and returned).
+        note: what the argument is, added to the message in parentheses.
+    """
+    if value is None and optional:
+        return None
+    allowed = f"an int >= {minimum}{' or None' if optional else ''}{f' ({note})' if note else ''}"
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
+        raise TypeError(f"{name} must be {allowed}, got {value!r} ({type(value).__name__})")
     if value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
+        raise ValueError(f"{name} must be {allowed}, got {value}")
     return value
 
 
-def check_real(name: str, value: Any, *, positive: bool = False, nonnegative: bool = False) -> float:
-    """``value`` as a finite float (optionally ``> 0`` or ``>= 0``)."""
+def _bounds_text(gt: Optional[float], ge: Optional[float], lt: Optional[float], le: Optional[float]) -> str:
+    low = (f"({gt:g}", gt) if gt is not None else (f"[{ge:g}", ge) if ge is not None else None
+    high = (f"{lt:g})", lt) if lt is not None else (f"{le:g}]", le) if le is not None else None
+    if low is not None and high is not None:
+        return f" in {low[0]}, {high[0]}"
+    if low is not None:
+        return f" {'>' if gt is not None else '>='} {low[1]:g}"
+    if high is not None:
+        return f" {'<' if lt is not None else '<='} {high[1]:g}"
+    return ""
+
+
+def check_real(name: str, value: Any, *, positive: bool = False, nonnegative: bool = False,
+               gt: Optional[float] = None, ge: Optional[float] = None, lt: Optional[float] = None,
+               le: Optional[float] = None, optional: bool = False, note: str = "") -> Any:
+    """``value`` as a finite float within the given bounds; ``None`` passes when ``optional``.
+
+    Args:
+        name: the argument's name, for the message.
+        value: what was passed (an int or a float; bools are refused).
+        positive: ``> 0`` (the same as ``gt=0``).
+        nonnegative: ``>= 0`` (the same as ``ge=0``).
+        gt, ge, lt, le: the bounds (``>``, ``>=``, ``<``, ``<=``), any that apply.
+        optional: ``None`` is allowed (and returned).
+        note: what the argument is, added to the message in parentheses (``"a margin"``).
+
+    Raises:
+        TypeError: ``value`` is not a real number.
+        ValueError: it is not finite or out of the bounds; the message says ``must be a finite number > 0``.
+    """
+    if value is None and optional:
+        return None
+    if positive:
+        gt = 0.0 if gt is None else max(gt, 0.0)
+    if nonnegative and gt is None:
+        ge = 0.0 if ge is None else max(ge, 0.0)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+        raise TypeError(f"{name} must be a real number{_allowed(gt, ge, lt, le, optional, note)}, got {value!r} "
+                        f"({type(value).__name__})")
     v = float(value)
-    if not math.isfinite(v):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    if positive and v <= 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
-    if nonnegative and v < 0:
-        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    if not (math.isfinite(v) and (gt is None or v > gt) and (ge is None or v >= ge) and (lt is None or v < lt)
+            and (le is None or v <= le)):
+        raise ValueError(f"{name} must be a finite number{_allowed(gt, ge, lt, le, optional, note)}, got {value!r}")
     return v
 
 
-def check_bool(name: str, value: Any) -> bool:
-    """``value`` if it is a bool."""
+def _allowed(gt: Optional[float], ge: Optional[float], lt: Optional[float], le: Optional[float], optional: bool,
+             note: str) -> str:
+    """What a number may be, for a message (written only when a check fails)."""
+    return _bounds_text(gt, ge, lt, le) + (" or None" if optional else "") + (f" ({note})" if note else "")
+
+
+def check_bool(name: str, value: Any, *, optional: bool = False) -> Any:
+    """``value`` if it is a bool (``None`` too when ``optional``)."""
+    if value is None and optional:
+        return None
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+        raise TypeError(f"{name} must be a bool{' or None' if optional else ''}, got {value!r} "
+                        f"({type(value).__name__})")
     return value
 
 
 def check_prob(name: str, value: Any) -> float:
     """``value`` as a probability in ``[0, 1)`` (a dropout rate)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) < 1.0:
-        raise ValueError(f"{name} must be a probability in [0, 1), got {value!r}")
-    return float(value)
+    return check_real(name, value, ge=0.0, lt=1.0, note="a probability")
 
 
-def check_choice(name: str, value: Any, allowed: Tuple[str, ...]) -> str:
+def check_choice(name: str, value: Any, allowed: Sequence[Any]) -> Any:
     """``value`` if it is one of ``allowed``."""
-    if not isinstance(value, str) or value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    if not any(type(value) is type(a) and value == a for a in allowed):  # True is not 1, "1" is not 1
+        raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
+    return value
+
+
+def check_callable(name: str, value: Any, signature: str = "", *, optional: bool = False) -> Any:
+    """``value`` if it is callable (``None`` too when ``optional``); ``signature`` says how it is called, for the
+    message (``"callable(alert)"``)."""
+    if value is None and optional:
+        return None
+    if not callable(value):
+        what = signature or "callable"
+        raise TypeError(f"{name} must be {what}{' or None' if optional else ''}, got {type(value).__name__}")
     return value
 
 
@@ -123,11 +191,7 @@ def check_cert_args(seq_len: Optional[int], r0: Optional[float], *, block: str =
                              "sequence (pass the longest sequence the block will see, e.g. seq_len=1024)")
     else:
         check_int("seq_len", seq_len)
-    if r0 is not None:
-        if isinstance(r0, bool) or not isinstance(r0, (int, float)) or not r0 >= 0 or not math.isfinite(r0):
-            raise ValueError(f"r0 must be a finite number >= 0 or None, got {r0!r}")
-        r0 = float(r0)
-    return seq_len, r0
+    return seq_len, check_real("r0", r0, ge=0.0, optional=True)
 
 
 def check_input(x: torch.Tensor, dim: int, weight: torch.Tensor, name: str = "x", ndim: Optional[int] = None) -> None:
@@ -137,6 +201,9 @@ def check_input(x: torch.Tensor, dim: int, weight: torch.Tensor, name: str = "x"
     and dtype are known only when the traced graph runs.  TorchScript does not compile this check: a block calls it
     under ``if not torch.jit.is_scripting()``.
     """
+    import torch
+    import torch.fx
+
     if isinstance(x, torch.fx.Proxy):
         return
     if not isinstance(x, torch.Tensor):

@@ -41,6 +41,8 @@ from typing import Callable, Iterable, List, Sequence, Tuple, Union
 
 import mpmath
 
+from ._validation import check_bool, check_int, check_real
+
 __all__ = [
     "DTYPE_MAX",
     "MAX_STEPS",
@@ -123,23 +125,12 @@ def float_max(dtype: object) -> float:
 # ----------------------------------------------------------------------------- validation
 
 def _real(name: str, value: object, *, minimum: float = 0.0, strict: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
-    v = float(value)
-    if math.isnan(v) or math.isinf(v):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    if v < minimum or (strict and v == minimum):
-        op = ">" if strict else ">="
-        raise ValueError(f"{name} must be {op} {minimum:g}, got {value!r}")
-    return v
+    """A finite number ``>= minimum`` (``> minimum`` when ``strict``): :func:`certblocks._validation.check_real`."""
+    return check_real(name, value, gt=minimum) if strict else check_real(name, value, ge=minimum)
 
 
 def _depth_arg(depth: object) -> int:
-    if isinstance(depth, bool) or not isinstance(depth, int):
-        raise TypeError(f"depth must be an int >= 1, got {depth!r}")
-    if depth < 1:
-        raise ValueError(f"depth must be an int >= 1, got {depth}")
-    return depth
+    return check_int("depth", depth)
 
 
 def _check_run(M: float, dt: float, r0: float, lip_g: float) -> Tuple[float, float, float]:
@@ -241,8 +232,7 @@ class UpdateCoefficients:
     residual: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.residual, bool):
-            raise TypeError(f"residual must be a bool, got {self.residual!r}")
+        check_bool("residual", self.residual)
         for name in ("q", "sigma", "pq"):
             v = getattr(self, name)
             if v is not None:

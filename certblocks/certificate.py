@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Sequence, Tuple, Union
 
 from . import budget as _budget
 from ._format import fmt_num as _fmt_num
+from ._format import render_table
+from ._validation import check_choice
 
 if TYPE_CHECKING:
     from .fixes import Fix
@@ -153,8 +155,7 @@ class BlockCertificate:
     kind: str = "update"
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        check_choice("kind", self.kind, KINDS)
         if self.peak is not None and not isinstance(self.peak, Peak):
             raise TypeError(f"peak must be a Peak or None, got {type(self.peak).__name__}")
         e = Exponents(self.q, self.sigma)  # validates q and sigma
@@ -372,13 +373,35 @@ class StackCertificate:
     def fixes(self) -> List[Fix]:
         """For a refused chain, the value of each generic lever that certifies it, each certified again: the
         largest depth, the largest ``dt`` and a wider dtype when it certifies more (:mod:`certblocks.fixes`;
-        a model adds its blocks' levers: ``ZooModel.fixes()``, ``CertifiedStack.fixes()``).  Empty when ``ok``."""
-        from .fixes import compute_fixes
+        a model adds its blocks' levers: ``ZooModel.fixes()``, ``CertifiedStack.fixes()``).  Empty when ``ok``.
 
-        return compute_fixes(self)
+        Computed on the first call and kept: the certificate is frozen, so its fixes never change (a new list each
+        call)."""
+        cached = self.__dict__.get("_fixes")
+        if cached is None:
+            from .fixes import compute_fixes
 
-    def to_dict(self) -> Dict[str, Any]:
-        return {
+            cached = tuple(compute_fixes(self))
+            self.__dict__["_fixes"] = cached  # frozen dataclass: the cache bypasses __setattr__, not the fields
+        return list(cached)
+
+    def _fixes_of(self, fixes: Union[bool, Sequence[Fix]]) -> List[Fix]:
+        """The fixes an ``explain`` / ``to_dict`` was asked for: none, this chain's own, or the given ones."""
+        if isinstance(fixes, bool):
+            return self.fixes() if fixes and not self.ok else []
+        if isinstance(fixes, (str, bytes)) or not isinstance(fixes, Sequence):
+            raise TypeError(f"fixes must be a bool or a sequence of Fix, got {type(fixes).__name__}")
+        return list(fixes)
+
+    def to_dict(self, *, fixes: Union[bool, Sequence[Fix]] = False) -> Dict[str, Any]:
+        """The certificate as JSON-ready data.
+
+        Args:
+            fixes: ``True`` adds the chain's computed fixes under ``"fixes"`` (:meth:`fixes`: each a certification
+                again, computed once); a sequence of :class:`~certblocks.fixes.Fix` adds those (a model's own:
+                ``as_certified(model).fixes(dtype)``); ``False`` (default) leaves the key out, computing nothing.
+        """
+        out = {
             "dtype": self.dtype, "max_value": self.max_value, "dt": self.dt, "r0": self.r0, "lip_g": self.lip_g,
             "depth": self.depth, "ok": self.ok, "forward_depth": self.forward_depth,
             "backward_depth": self.backward_depth, "certified_depth": self.certified_depth,
@@ -391,14 +414,24 @@ class StackCertificate:
             "head": None if self.head is None else self.head.to_dict(),
             "loss_grad": self.loss_grad, "output_bound": json_number(self.output_bound),
             "unchecked": self.unchecked,
-            "fixes": [f.to_dict() for f in self.fixes()],
         }
+        if fixes is not False:
+            out["fixes"] = [f.to_dict() for f in self._fixes_of(fixes)]
+        return out
 
-    def to_json(self, **kwargs: Any) -> str:
-        return json.dumps(self.to_dict(), **kwargs)
+    def to_json(self, *, fixes: Union[bool, Sequence[Fix]] = False, **kwargs: Any) -> str:
+        """:meth:`to_dict` as a JSON string (``kwargs`` go to ``json.dumps``)."""
+        return json.dumps(self.to_dict(fixes=fixes), **kwargs)
 
-    def explain(self) -> str:
-        """A readable table: one row per segment, then the head and the verdict."""
+    def explain(self, *, fixes: Union[bool, Sequence[Fix]] = False) -> str:
+        """A readable table: one row per segment, then the head and the verdict.
+
+        Args:
+            fixes: ``True`` adds, for a refused chain, the line of computed fixes (:meth:`fixes`: each lever's value
+                certified again); a sequence of :class:`~certblocks.fixes.Fix` adds those (a model's own:
+                ``as_certified(model).fixes(dtype)``, which knows its blocks' levers); ``False`` (default) computes
+                none and says how to get them.
+        """
         log_budget = math.log(self.max_value) - math.log(self.lip_g)
         maps = len(self.updates) - self.depth
         what = f"{self.depth} updates" + (f" and {maps} maps" if maps else "")
@@ -422,12 +455,7 @@ class StackCertificate:
                          _fmt_num(h.b), _fmt_num(h.l1), _fmt_num(h.l0), _fmt_num(self.radii[-1]),
                          "-" if h.peak is None else _fmt_num(h.peak_bound(self.radii[-1])),
                          _fmt_num(math.log(self.lip_g)), "-"))
-        widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
-        def line(r: Tuple[str, ...]) -> str:  # names and kinds left, numbers right
-            return "  ".join(s.rjust(w) if i not in (1, 2) else s.ljust(w) for i, (s, w) in enumerate(zip(r, widths)))
-
-        out = [head, line(cols), line(tuple("-" * w for w in widths))]
-        out += [line(r) for r in rows]
+        out = [head, render_table(cols, rows, align="rll" + "r" * (len(cols) - 3))]  # names and kinds left
         out.append(f"R_{len(self.updates)} = {_fmt_num(self.radii[-1])}"
                    + ("" if self.head is None else f", head output <= {_fmt_num(self.output_bound)}"))
         if self.unchecked:
@@ -443,11 +471,14 @@ class StackCertificate:
             assert f is not None
             out.append(f"NOT certified: {f.reason}")
             out.append(f"culprit's fix: {f.fix}")
-            from .fixes import format_fixes
+            if fixes is False:
+                out.append("computed fixes (each lever's value certified again): explain(fixes=True) or .fixes()")
+            else:
+                from .fixes import format_fixes
 
-            fixes = format_fixes(self.fixes())
-            if fixes:
-                out.append(fixes)
+                line = format_fixes(self._fixes_of(fixes))
+                if line:
+                    out.append(line)
         return "\n".join(out)
 
     def __str__(self) -> str:

@@ -83,6 +83,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from . import bounds
+from ._validation import check_int, check_real
 from .budget import dtype_name
 from .certificate import BlockCertificate, StackCertificate, certify_stack
 from .model import CertifiedModel, as_certified, underlying
@@ -311,16 +312,9 @@ def _prepare(model: Any, dtype: Union[str, torch.dtype], depth: Optional[int], r
     if r0 is None and callable(ups.r0):
         ups.r0 = float(ups.r0())  # freeze: the guarantee is for this radius
     if lip_g is not None:
-        if isinstance(lip_g, bool) or not isinstance(lip_g, (int, float)) or not (0 < lip_g < math.inf):
-            raise ValueError(f"lip_g must be a finite number > 0 or None, got {lip_g!r}")
-        ups.lip_g = float(lip_g)
+        ups.lip_g = check_real("lip_g", lip_g, gt=0.0, optional=True)
     n = len(ups.modules)
-    if depth is None:
-        depth = n
-    if isinstance(depth, bool) or not isinstance(depth, int):
-        raise TypeError(f"depth must be an int >= {n} (the number of updates) or None, got {depth!r}")
-    if depth < n:
-        raise ValueError(f"depth must be >= the number of residual updates ({n}), got {depth}")
+    depth = n if depth is None else check_int("depth", depth, n, optional=True, note="the number of residual updates")
     return dt_name, ups, [_plan(name, m) for name, m in zip(ups.names, ups.modules)], depth
 
 

@@ -19,10 +19,11 @@ This module is pure Python; it does not import torch.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import reduce
 from typing import Optional, Tuple
+
+from ._validation import check_real
 
 __all__ = [
     "Exponents",
@@ -53,14 +54,7 @@ Exp = Optional[float]
 
 
 def _check_exponent(name: str, value: object) -> Exp:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a real number >= 0 or None, got {value!r} ({type(value).__name__})")
-    value = float(value)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0 or None (not derived), got {value!r}")
-    return value
+    return check_real(name, value, ge=0.0, optional=True, note="None: not derived")
 
 
 def _fmt(value: Exp) -> str:
@@ -207,9 +201,8 @@ def normalize(x: Exponents) -> Exponents:
 
 def power(p: float) -> Exponents:
     """Entrywise power ``x ** p`` for a real ``p >= 1``: ``(p, p - 1)``."""
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or p < 1:
-        raise ValueError(f"power(p) needs a finite p >= 1 (below 1 the Jacobian is unbounded at 0), got {p!r}")
-    return Exponents(float(p), float(p) - 1.0)
+    p = check_real("power(p): p", p, ge=1.0, note="below 1 the Jacobian of x ** p is unbounded at 0")
+    return Exponents(p, p - 1.0)
 
 
 def exp_of_nonpositive(argument: Exponents) -> Exponents:

@@ -14,8 +14,10 @@ gradient) before it is reported:
 * ``enforce``: the cap factor of :func:`certblocks.enforce` (computed by the caller that holds the model).
 
 A continuous lever is solved by bisection on a log scale (the verdict is monotone in each of them: every
-bound grows with ``dt``, the gains and ``1/sqrt(eps)``), then rounded to two significant digits in the safe
-direction and certified again at the rounded value.  A lever that cannot certify the whole chain (a map or
+bound grows with ``dt``, the gains and ``1/sqrt(eps)``), stopped as soon as the value rounded to two significant
+digits in the safe direction is the same at both ends of the bracket, and certified again at the rounded value.
+The depth is found by bisection too where the chain is made of residual updates only (:func:`_depth_fix` says
+why the verdict is monotone in the length there).  A lever that cannot certify the whole chain (a map or
 the head fails whatever its value) is not reported.
 """
 
@@ -112,6 +114,8 @@ def _solve(check: Callable[[float], StackCertificate], current: float, larger: b
         return None
     lo, hi = math.log(current), math.log(far)  # lo fails, hi passes
     for _ in range(64):
+        if _round(math.exp(hi), down=not larger) == _round(math.exp(lo), down=not larger):
+            break  # the reported (rounded) value is the same wherever the boundary lies in [lo, hi]: decided
         mid = 0.5 * (lo + hi)
         if check(math.exp(mid)).ok:
             hi = mid
@@ -160,14 +164,45 @@ def _dt_fix(cert: StackCertificate) -> Optional[Fix]:
 
 
 def _depth_fix(cert: StackCertificate) -> Optional[Fix]:
-    """The largest number of updates whose chain (cut after that update, head kept) is certified."""
+    """The largest number of updates whose chain (cut after that update, head kept) is certified.
+
+    In a chain of residual updates only (kind ``"update"``) the verdict of a prefix is monotone in its length: each
+    update keeps or raises the radius (``R_{k+1} = R_k + dt (c R_k^q + b) >= R_k``, docs/theory.md section 6), so a
+    longer prefix has the same first radii and forward checks, a head checked at a larger ``R_n`` (its bounds
+    grow with the radius), and a backward sum with more factors ``log(1 + dt L_k) >= 0`` and a larger ``Lip(G)``:
+    if ``n`` updates are certified, so are ``n - 1``.  The longest certified prefix is then found by bisection
+    (``log2 D`` certifications, where the search from the top was ``D``).  A map or a non-identity block can shrink
+    the radius or have a factor below 0, so a chain holding one is searched from the top.
+    """
     ends = [k for k, u in enumerate(cert.updates) if u.is_update]
-    for n in range(len(ends) - 1, 0, -1):
-        got = recertify(cert, cert.updates[: ends[n - 1] + 1])
+
+    def cut(n: int) -> StackCertificate:
+        return recertify(cert, cert.updates[: ends[n - 1] + 1])
+
+    def fix(n: int, got: StackCertificate) -> Fix:
+        return Fix("depth", n, got.certified_depth, got.depth, True,
+                   f"at most {n} residual update{'s' if n > 1 else ''}")
+
+    if any(u.kind != "update" for u in cert.updates):
+        for n in range(len(ends) - 1, 0, -1):
+            got = cut(n)
+            if got.ok:
+                return fix(n, got)
+        return None
+    if len(ends) < 2:
+        return None
+    first = cut(1)
+    if not first.ok:
+        return None
+    lo, hi, best = 1, len(ends), first  # cut(lo) is certified; the whole chain (hi updates) is not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        got = cut(mid)
         if got.ok:
-            return Fix("depth", n, got.certified_depth, got.depth, True,
-                       f"at most {n} residual update{'s' if n > 1 else ''}")
-    return None
+            lo, best = mid, got
+        else:
+            hi = mid
+    return fix(lo, best)
 
 
 def _dtype_fix(cert: StackCertificate) -> Optional[Fix]:

@@ -67,10 +67,9 @@ class CertificateCallback(TrainerCallback):
 
     def __init__(self, dtype: Union[str, torch.dtype, None] = None, *, every: int = 50, stop_on_alert: bool = False,
                  **monitor_kwargs: Any) -> None:
-        from ._validation import check_int
+        from ._validation import check_bool, check_int
 
-        if not isinstance(stop_on_alert, bool):
-            raise TypeError(f"stop_on_alert must be a bool, got {stop_on_alert!r}")
+        check_bool("stop_on_alert", stop_on_alert)
         if "callback" in monitor_kwargs:
             raise TypeError("monitor_kwargs must not contain 'callback': the Trainer callback handles the alerts")
         self.dtype = dtype

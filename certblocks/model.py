@@ -66,7 +66,7 @@ from typing import (
 import torch
 from torch import Tensor, nn
 
-from ._validation import check_int
+from ._validation import check_bool, check_int, check_real
 from .bounds import one_thread
 from .budget import DTYPE_MAX, dtype_name
 from .certificate import BlockCertificate, StackCertificate, certify_stack
@@ -388,12 +388,7 @@ def _lists_updates(model: Any) -> bool:
 
 
 def _real(name: str, value: Any, *, positive: bool = False) -> Optional[float]:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
-            value <= 0 if positive else value < 0):
-        raise ValueError(f"{name} must be a finite number {'>' if positive else '>='} 0 or None, got {value!r}")
-    return float(value)
+    return check_real(name, value, positive=positive, nonnegative=not positive, optional=True)
 
 
 @dataclass
@@ -415,6 +410,8 @@ class CertifiedModel:
         wrapper: what :meth:`__call__` calls (the object handed in: a DDP or compiled wrapper calls through it).
         dtype: the model's own certification dtype (a stack's, a zoo model's ``cert_dtype``), else ``None``.
         example_input: the batch a ``"graph"`` model's certificate is captured on.
+        residual: how a ``"graph"`` model's updates are found in its graph (:func:`certblocks.certify`'s
+            ``residual``: ``"auto"``, ``None`` for the whole model as one velocity, or module path patterns).
         r0_given, seq_len_given, lip_g_given: ``r0`` / ``seq_len`` / ``lip_g`` were given to :func:`as_certified`
             (they override the model's own).
         strict: the envelope's ``strict`` to set when :meth:`certificate` records one (``None``: leave it).
@@ -432,10 +429,12 @@ class CertifiedModel:
     wrapper: Any = field(default=None, repr=False)
     dtype: Optional[str] = None
     example_input: Any = field(default=None, repr=False)
+    residual: Any = "auto"
     r0_given: bool = False
     seq_len_given: bool = False
     lip_g_given: bool = False
     strict: Optional[bool] = None
+    _traced: Any = field(default=None, repr=False, compare=False)  # (key, ModelCertificate) of graph_report()
 
     # -- the updates -------------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -457,6 +456,16 @@ class CertifiedModel:
         model): hooks on the updates give every state.  A converted model's blocks may sit behind kept
         normalizations: its states are read from its graph."""
         return self.kind in ("stack", "zoo")
+
+    @property
+    def reads_graph(self) -> bool:
+        """The certificate is read from the graph captured on :attr:`example_input`: a model without certified blocks
+        (kind ``"graph"``), or a model with certified blocks handed in with a batch (kind ``"blocks"``: a converted
+        model certified as it runs -- its kept normalizations, its branches left unconverted and its head in the
+        chain, each certified block by its own certificate where an update is exactly that block).  Without a batch
+        a converted model's certificate is the chain of its blocks (what the monitor watches and
+        :func:`certblocks.enforce` caps)."""
+        return self.kind == "graph" or (self.kind == "blocks" and self.example_input is not None)
 
     @property
     def loss_gradient(self) -> float:
@@ -570,7 +579,7 @@ class CertifiedModel:
                 raise ValueError(f"dtype: {type(self.module).__name__ if self.module is not None else 'the model'} has "
                                  "no certification dtype of its own; pass one (certificate('bf16'))")
         name = dtype_name(dtype)
-        if self.kind == "graph":
+        if self.reads_graph:
             return self._graph_certificate(name, r0)
         n = seq_len if seq_len is not None else _wider(self.seq_len, used[1])
         r = r0 if r0 is not None else _wider(self.radius(), used[2])
@@ -584,14 +593,37 @@ class CertifiedModel:
             self._record_envelope(name, n, r)
         return cert
 
-    def _graph_certificate(self, dtype: str, r0: Optional[float]) -> StackCertificate:
+    def graph_report(self) -> Any:
+        """The :class:`~certblocks.trace.ModelCertificate` a ``"graph"`` model's certificate is read from (its updates
+        found in the graph captured on ``example_input``, each with its per-node explanation), or ``None`` for a model
+        whose updates are listed (its certified blocks: their certificates are their own).
+
+        Captured in eval mode, once for the current weights and batch (a change of either captures again): the
+        certificate and the fixes of a graph model share one capture.
+
+        Raises:
+            ValueError: a graph model without ``example_input``.
+            certblocks.trace.CaptureError: ``torch.export`` cannot capture the model on the batch.
+        """
+        if not self.reads_graph:
+            return None
         if self.example_input is None:
             raise ValueError(f"{type(self.module).__name__} has no certified block: its updates are read from its "
                              "graph, which needs a batch (as_certified(model, example_input=...))")
         from .trace import ModelCertificate, certify
 
-        rep = certify(self.module, self.example_input)  # type: ignore[arg-type]
-        rep = rep if isinstance(rep, ModelCertificate) else ModelCertificate([rep], type(self.module).__name__)
+        assert self.module is not None
+        weights = tuple((id(p), p._version) for p in self.module.parameters())
+        key = (id(self.example_input), repr(self.residual), weights)
+        if self._traced is None or self._traced[0] != key:
+            with _eval_mode(self.module):  # a certificate is for the model in eval mode (dropout is the identity)
+                rep = certify(self.module, self.example_input, residual=self.residual)
+            rep = rep if isinstance(rep, ModelCertificate) else ModelCertificate([rep], type(self.module).__name__)
+            self._traced = (key, rep)
+        return self._traced[1]
+
+    def _graph_certificate(self, dtype: str, r0: Optional[float]) -> StackCertificate:
+        rep = self.graph_report()
         if r0 is None:
             own = getattr(self.module, "input_radius", None)
             r0 = float(own()) if callable(own) else self.radius()
@@ -616,7 +648,9 @@ class CertifiedModel:
         """For a model refused in ``dtype``, the value of each lever it has that certifies it, each certified
         again (:mod:`certblocks.fixes`): its blocks' ``levers()``, ``dt`` where the model has a step (a stack),
         the number of updates, :func:`certblocks.enforce`'s cap factor (``enforce``) and a wider dtype.  Empty when
-        certified."""
+        certified.  A certificate read from the graph (:attr:`reads_graph`) gets the levers of the updates that are
+        exactly a block or a gained branch, no ``dt`` and no ``enforce`` (enforce certifies the chain of the blocks,
+        another chain)."""
         from .fixes import Fix, compute_fixes
 
         if self.kind in ("stack", "zoo") and callable(getattr(self.module, "fixes", None)) and not (
@@ -625,6 +659,11 @@ class CertifiedModel:
         cert = self.certificate(dtype, record_envelope=False)
         if cert.ok:
             return []
+        if self.reads_graph:  # the traced chain: the levers of the updates that are exactly a block, or gained
+            from .conversion.api import traced_levers
+
+            assert self.module is not None
+            return compute_fixes(cert, levers=traced_levers(self.module, cert), dt=False)
         extra: List[Fix] = []
         if enforce and self.modules and not any(f is not None for f in self.fixed):
             from .enforcement import cap_factor
@@ -645,6 +684,17 @@ class CertifiedModel:
             raise TypeError("(name, module) pairs are not a model: there is nothing to call")
         args, kwargs = as_args(batch)
         return self.wrapper(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _eval_mode(module: nn.Module) -> Iterator[None]:
+    """``module`` in eval mode inside, its own mode restored after."""
+    was = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was)
 
 
 def _wider(own: Optional[float], seen: Optional[float]) -> Any:
@@ -706,8 +756,8 @@ def underlying(obj: Any) -> Any:
 
 
 def as_certified(obj: Any, *, r0: Optional[float] = None, seq_len: Optional[int] = None, dt: Optional[float] = None,
-                 example_input: Any = None, lip_g: Optional[float] = None, strict: Optional[bool] = None
-                 ) -> CertifiedModel:
+                 example_input: Any = None, lip_g: Optional[float] = None, strict: Optional[bool] = None,
+                 residual: Union[str, Sequence[str], None] = "auto") -> CertifiedModel:
     """Read any model as a :class:`CertifiedModel` (module docstring: what is recognized and how).
 
     Args:
@@ -721,6 +771,8 @@ def as_certified(obj: Any, *, r0: Optional[float] = None, seq_len: Optional[int]
         example_input: a batch (tensor, tuple, mapping), for a model whose updates are read from its graph.
         lip_g: ``Lip(G)`` of the head (default the stack's, else 1; a zoo model's head certificate when ``None``).
         strict: set the envelope's ``strict`` (:class:`Envelope`): raise at a forward outside it.
+        residual: how a model read from its graph finds its updates (:func:`certblocks.certify`'s ``residual``);
+            anything but ``"auto"`` reads any ``nn.Module`` from its graph (kind ``"graph"``), certified blocks or not.
 
     Raises:
         TypeError: ``obj`` is none of the above, or a pair is not ``(str, nn.Module)``.
@@ -731,10 +783,9 @@ def as_certified(obj: Any, *, r0: Optional[float] = None, seq_len: Optional[int]
     lip = _real("lip_g", lip_g, positive=True)
     if seq_len is not None:
         check_int("seq_len", seq_len)
-    if strict is not None and not isinstance(strict, bool):
-        raise TypeError(f"strict must be a bool or None, got {strict!r}")
+    check_bool("strict", strict, optional=True)
     given = dict(r0_given=r0 is not None, seq_len_given=seq_len is not None, lip_g_given=lip is not None,
-                 example_input=example_input, strict=strict)
+                 example_input=example_input, strict=strict, residual=residual)
     if isinstance(obj, CertifiedModel):
         return obj if not any((r0 is not None, seq_len is not None, dt is not None, lip_g is not None)) else \
             dataclasses.replace(obj, r0=obj.r0 if r0 is None else r0, seq_len=obj.seq_len if seq_len is None else
@@ -755,7 +806,10 @@ def as_certified(obj: Any, *, r0: Optional[float] = None, seq_len: Optional[int]
                         f"certified blocks, or read from its graph) or a sequence of (name, module) pairs, got "
                         f"{type(obj).__name__}")
     common = dict(module=model, wrapper=wrapper, **given)
-    if isinstance(model, CertifiedStack):
+    if not (isinstance(residual, str) and residual == "auto"):  # asked to read the updates from the graph
+        out = CertifiedModel([], [], dt=dt_v or 1.0, r0=1.0 if r0 is None else r0, seq_len=seq_len, lip_g=lip or 1.0,
+                             kind="graph", **common)
+    elif isinstance(model, CertifiedStack):
         _same_dt(dt_v, model.dt, model)
         n = len(model.blocks)
         out = CertifiedModel([f"blocks.{k}" for k in range(n)], list(model.blocks), dt=model.dt,

@@ -102,7 +102,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from ._validation import NonFiniteWeightError, check_int
+from ._validation import NonFiniteWeightError, check_bool, check_callable, check_int, check_real
 from .blocks.stats import power_norm as _power_step
 from .bounds import one_thread
 from .budget import dtype_name, float_max
@@ -191,33 +191,19 @@ class CertificateMonitor:
                  data_steps: int = 4, headroom_basis: str = "measured", estimate_every: Optional[int] = None) -> None:
         self.dtype = dtype_name(dtype)
         self.every = check_int("every", every)
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold) \
-                or threshold >= 1:
-            raise ValueError(f"threshold must be a finite number < 1 (a margin), got {threshold!r}")
-        self.threshold = float(threshold)
-        if callback is not None and not callable(callback):
-            raise TypeError(f"callback must be callable(alert) or None, got {type(callback).__name__}")
-        self.callback = callback
-        if not isinstance(share_alerts, bool):
-            raise TypeError(f"share_alerts must be a bool, got {share_alerts!r}")
-        self.share_alerts = share_alerts
-        if kappa_growth is not None and (isinstance(kappa_growth, bool) or not isinstance(kappa_growth, (int, float))
-                                         or not math.isfinite(kappa_growth) or kappa_growth <= 1):
-            raise ValueError(f"kappa_growth must be a finite number > 1 or None, got {kappa_growth!r}")
-        self.kappa_growth = None if kappa_growth is None else float(kappa_growth)
+        self.threshold = check_real("threshold", threshold, lt=1.0, note="a margin")
+        self.callback = check_callable("callback", callback, "callable(alert)", optional=True)
+        self.share_alerts = check_bool("share_alerts", share_alerts)
+        self.kappa_growth = check_real("kappa_growth", kappa_growth, gt=1.0, optional=True)
         self.power_iters = check_int("power_iters", power_iters, 0)
         self.power_iters_init = check_int("power_iters_init", power_iters_init, 1)
         self.logit_samples = check_int("logit_samples", logit_samples)
         for flag, val in (("batch_figures", batch_figures), ("on_data", on_data),
                           ("worst_case_alerts", worst_case_alerts)):
-            if not isinstance(val, bool):
-                raise TypeError(f"{flag} must be a bool, got {val!r}")
+            check_bool(flag, val)
         self.worst_case_alerts = worst_case_alerts
-        if headroom_threshold is not None and (isinstance(headroom_threshold, bool) or not isinstance(
-                headroom_threshold, (int, float)) or not math.isfinite(headroom_threshold)):
-            raise ValueError(f"headroom_threshold must be a finite number (nats) or None, got {headroom_threshold!r}")
-        if horizon is not None:
-            check_int("horizon", horizon)
+        check_real("headroom_threshold", headroom_threshold, optional=True, note="nats")
+        check_int("horizon", horizon, optional=True)
         self._watch = OnDataWatch(self.dtype, threshold=headroom_threshold, horizon=horizon,
                                   window=check_int("trend_window", trend_window, 3), steps=check_int("data_steps",
                                                                                                     data_steps),

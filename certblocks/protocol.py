@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Mapping, Optional, Protocol, Tuple, runtime_checkable
 
+from ._validation import check_choice
 from .certificate import BlockCertificate
 from .exponents import Exponents
 
@@ -89,8 +90,7 @@ class CapSlot:
     lower: Optional[float] = None
 
     def __post_init__(self) -> None:
-        if self.kind not in CAP_KINDS:
-            raise ValueError(f"kind must be one of {CAP_KINDS}, got {self.kind!r}")
+        check_choice("kind", self.kind, CAP_KINDS)
         if len(self.sizes) != len(self.keys):
             raise ValueError(f"sizes {self.sizes} and keys {self.keys} differ in length")
         if (self.kind == "softplus") != (self.lower is not None):

@@ -9,7 +9,6 @@ stack is not certified at its depth for the chosen dtype.
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from typing import Any, Iterable, List, Sequence, Tuple, Union
 
@@ -17,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ._validation import check_finite, check_int
+from ._validation import check_bool, check_finite, check_int, check_real
 from .bounds import one_thread
 from .budget import dtype_name
 from .certificate import BlockCertificate, StackCertificate, certify_stack
@@ -243,8 +242,8 @@ class CertifiedStack(nn.Module):
         seq_len = used_len if seq_len is None else check_int("seq_len", seq_len)
         if r0 is None:
             r0 = self.r0 if used_r0 is None else used_r0
-        elif isinstance(r0, bool) or not isinstance(r0, (int, float)) or not math.isfinite(r0) or r0 < 0:
-            raise ValueError(f"r0 must be a finite number >= 0 or None, got {r0!r}")
+        else:
+            r0 = check_real("r0", r0, ge=0.0, optional=True)
         return dtype, seq_len, float(r0)
 
     def _certificate_now(self, dtype: Union[str, torch.dtype, None] = None, *, seq_len: int | None = None,
@@ -341,8 +340,7 @@ def build_stack(blocks: Iterable[BlockSpec], dtype: Union[str, torch.dtype], *, 
             the culprit's fix and the computed value of each lever that certifies
             the stack (:meth:`CertifiedStack.fixes`).
     """
-    if not isinstance(strict, bool):
-        raise TypeError(f"strict must be a bool, got {strict!r}")
+    check_bool("strict", strict)
     modules, certs, explicit = _split(blocks, seq_len)
     cert = certify_stack(certs, dtype_name(dtype), dt=dt, r0=r0, lip_g=lip_g)
     stack = CertifiedStack(modules, cert, dt=dt, r0=r0, lip_g=lip_g, seq_len=seq_len, explicit=explicit,

@@ -6,17 +6,18 @@ giving an unknown value.
 mamba-ssm imports its CUDA extension eagerly; on a CPU-only machine the tests put
 a stand-in module named ``selective_scan_cuda`` in ``sys.modules`` so that its
 pure-torch references (``selective_scan_ref``, ``mamba_ssm.Mamba``'s slow path)
-can be imported.  Only the tests do this; certblocks never relies on it.
+can be imported: :func:`certblocks.testing.install_selective_scan_stub`, the helper
+users call too (:mod:`certblocks.testing.mamba_cpu`).  Only the tests and that helper
+do this; certblocks never relies on it.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
-import types
 
 import torch
+
+from certblocks.testing.mamba_cpu import install_selective_scan_stub
 
 # A rule that raises is a bug: the tracer re-raises instead of reporting "unknown" (certblocks.trace.interp).
 os.environ.setdefault("CERTBLOCKS_STRICT_RULES", "1")
@@ -25,5 +26,4 @@ os.environ.setdefault("CERTBLOCKS_STRICT_RULES", "1")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-if "selective_scan_cuda" not in sys.modules and importlib.util.find_spec("selective_scan_cuda") is None:
-    sys.modules["selective_scan_cuda"] = types.ModuleType("selective_scan_cuda")
+install_selective_scan_stub()  # only where mamba-ssm's CUDA extension is missing

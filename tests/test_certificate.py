@@ -7,8 +7,10 @@ import math
 
 import pytest
 
-from certblocks import BlockCertificate, Exponents, certify_stack, float_max
-from certblocks.budget import backward_overflow_depth, forward_overflow_depth
+from certblocks import BlockCertificate
+from certblocks.budget import backward_overflow_depth, float_max, forward_overflow_depth
+from certblocks.certificate import certify_stack
+from certblocks.exponents import Exponents
 
 
 def test_block_certificate_fields_and_defaults():
@@ -58,7 +60,7 @@ def test_unknown_exponents_give_unknown_depths():
 
 
 def test_depths_validate_run_parameters():
-    with pytest.raises(ValueError, match="^dt must be > 0"):
+    with pytest.raises(ValueError, match="^dt must be a finite number > 0"):
         BlockCertificate(1, 0).depths("fp16", dt=0)
     with pytest.raises(ValueError, match="dtype 'fp12' is not supported"):
         BlockCertificate(1, 0).depths("fp12")
@@ -114,12 +116,16 @@ def test_unknown_update_stops_certification():
 def test_explain_is_a_readable_table():
     certs = [BlockCertificate(1, 2, c=1.0, l1=1.0, l0=1.0, name=f"blocks.{k}.attn") for k in range(13)]
     s = certify_stack(certs, "fp32")
-    text = s.explain()
+    text = s.explain(fixes=True)
     assert "blocks.12.attn" in text and "NOT certified" in text and "fix:" in text
     # header, columns, rule, rows, R_n, what is not checked, verdict, culprit fix, computed fixes
     assert len(text.splitlines()) == 13 + 8
     assert "not checked: segment(s) 0, 1, 2, 3, 4, 5, 6, 7, ... (13 in all) state no peak" in text
     assert text.splitlines()[-1].startswith("fixes (each certified again): dt <= ")
+    # without fixes=True nothing is computed: the last line says how to get them, the rest is the same
+    plain = s.explain()
+    assert plain.splitlines()[:-1] == text.splitlines()[:-1] and "explain(fixes=True)" in plain.splitlines()[-1]
+    assert "_fixes" not in s.__dict__ or s.__dict__["_fixes"] == tuple(s.fixes())
     ok = certify_stack(certs[:3], "fp32")
     assert "certified: all 3 updates" in ok.explain()
     data = json.loads(s.to_json())
@@ -153,7 +159,7 @@ def test_lip_g_shifts_the_backward_budget():
 
 
 def test_peak_lowers_the_forward_depth_and_names_the_intermediate():
-    from certblocks import Peak
+    from certblocks.certificate import Peak
 
     logits = Peak(2, 0.5, 0.0, what="query-key logits")
     plain = BlockCertificate(1, 2, c=2.0, l1=0.0, l0=0.0, name="attn")
@@ -171,7 +177,7 @@ def test_peak_lowers_the_forward_depth_and_names_the_intermediate():
 
 
 def test_stack_depth_with_peaks_matches_homogeneous_depth():
-    from certblocks import Peak
+    from certblocks.certificate import Peak
 
     for peak in (Peak(2, 1e-3), Peak(1, 40.0, 3.0), Peak(0, 1.0, 2.0)):
         cert = BlockCertificate(1, 0, c=0.5, b=0.25, l1=0.0, l0=0.5, peak=peak)
@@ -182,7 +188,7 @@ def test_stack_depth_with_peaks_matches_homogeneous_depth():
 
 
 def test_peak_validation():
-    from certblocks import Peak
+    from certblocks.certificate import Peak
 
     with pytest.raises(ValueError, match="peak c"):
         Peak(1, -1.0)

@@ -126,7 +126,7 @@ def test_enforce_then_optimizer_steps(case: str) -> None:
     assert as_certified(model, r0=r0).certificate("bf16", record_envelope=False).ok
     with torch.no_grad():
         assert torch.isfinite(model(input_ids=ids).logits).all()
-    assert certblocks.unenforce(model) == len(rep.modules)
+    assert certblocks.enforcement.unenforce(model) == len(rep.modules)
 
 
 class _Tokens(torch.utils.data.Dataset):

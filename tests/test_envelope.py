@@ -15,10 +15,11 @@ import torch
 from torch import nn
 
 import certblocks
-from certblocks import CertificationError, CertifiedStack, build_stack
+from certblocks import CertificationError, build_stack
 from certblocks.blocks import MLP, LinearGrowthMamba
 from certblocks.model import CertificateWarning, EnvelopeWarning
 from certblocks.monitor import CertificateWarning as MonitorCertificateWarning
+from certblocks.stack import CertifiedStack
 
 
 def _mambas() -> list:

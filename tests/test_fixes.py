@@ -13,7 +13,8 @@ import random
 import pytest
 import torch
 
-from certblocks import MLP, BlockCertificate, CertificationError, QKNormAttention, build_stack, certify_stack
+from certblocks import MLP, BlockCertificate, CertificationError, QKNormAttention, build_stack
+from certblocks.certificate import certify_stack
 from certblocks.fixes import LEVERS, Fix, compute_fixes, recertify
 
 pytest.importorskip("timm")
@@ -152,10 +153,43 @@ def test_fixes_in_json_and_explain():
     certs = [BlockCertificate(1, 1, c=0.5, l1=2.0, l0=1.0, name=f"u{k}") for k in range(40)]
     cert = certify_stack(certs, "fp16")
     assert not cert.ok
-    doc = cert.to_dict()
+    assert "fixes" not in cert.to_dict() and "_fixes" not in cert.__dict__  # computed only when asked
+    assert "fixes (each certified again)" not in cert.explain() and "_fixes" not in cert.__dict__
+    doc = cert.to_dict(fixes=True)
     assert doc["fixes"] and {"lever", "value", "certified_depth", "depth", "ok", "text"} <= set(doc["fixes"][0])
-    assert "fixes (each certified again)" in cert.explain()
-    assert certify_stack(certs[:1], "fp32").to_dict()["fixes"] == []
+    assert doc["fixes"] == [f.to_dict() for f in cert.fixes()]
+    assert "fixes (each certified again)" in cert.explain(fixes=True)
+    assert certify_stack(certs[:1], "fp32").to_dict(fixes=True)["fixes"] == []
+    # a model's own fixes (its levers) are printed as given
+    mine = [Fix("dt", 0.5, 40, 40, True, "dt <= 0.5")]
+    assert cert.to_dict(fixes=mine)["fixes"] == [mine[0].to_dict()]
+    assert cert.explain(fixes=mine).splitlines()[-1] == "fixes (each certified again): dt <= 0.5 (certifies 40/40)"
+    with pytest.raises(TypeError, match="fixes must be a bool or a sequence of Fix, got str"):
+        cert.explain(fixes="yes")
+
+
+def test_fixes_are_cached_on_the_frozen_certificate():
+    certs = [BlockCertificate(1, 1, c=0.5, l1=2.0, l0=1.0, name=f"u{k}") for k in range(40)]
+    cert = certify_stack(certs, "fp16")
+    first = cert.fixes()
+    assert cert.__dict__["_fixes"] == tuple(first) and cert.fixes() == first and cert.fixes() is not first
+    assert cert == certify_stack(certs, "fp16")  # the cache is not a field: equality unchanged
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_depth_fix_by_bisection_is_the_longest_certified_prefix(seed):
+    # the prefix verdict is monotone in a chain of updates (fixes._depth_fix): bisection finds what the search
+    # from the top finds; checked against that search, with a head and without
+    rng = random.Random(100 + seed)
+    certs = _random_chain(rng, rng.randint(20, 120))
+    head = BlockCertificate(1, 0, c=rng.uniform(0.5, 3.0), b=1.0, l0=rng.uniform(1.0, 30.0), kind="map", name="G")
+    for kw in ({}, {"head": head, "loss_grad": math.sqrt(2)}):
+        cert = certify_stack(certs, "fp16", r0=rng.uniform(0.5, 3.0), **kw)
+        if cert.ok:
+            continue
+        linear = next((n for n in range(len(certs) - 1, 0, -1) if recertify(cert, certs[:n]).ok), None)
+        got = [f.value for f in cert.fixes() if f.lever == "depth"]
+        assert got == ([] if linear is None else [linear])
 
 
 def test_compute_fixes_recertify_keeps_the_head():

@@ -30,7 +30,7 @@ from certblocks.monitor import CertificateMonitor
 from certblocks.updates import ResidualUpdates, residual_updates
 
 
-def _stack() -> certblocks.CertifiedStack:
+def _stack() -> certblocks.stack.CertifiedStack:
     torch.manual_seed(0)
     fixed = BlockCertificate(1, 0, c=0.25, l0=0.25, name="fixed")
     return certblocks.build_stack([QKNormAttention(8, 2), (nn.Identity(), fixed), MLP(8, 16)], "bf16", dt=0.5,

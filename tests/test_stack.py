@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from certblocks import BlockCertificate, CertificationError, CertifiedStack, build_stack
+from certblocks import BlockCertificate, CertificationError, build_stack
+from certblocks.stack import CertifiedStack
 
 
 class Aligned(nn.Module):

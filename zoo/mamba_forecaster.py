@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from certblocks._validation import check_int, check_prob
+from certblocks._validation import check_choice, check_int, check_prob
 from certblocks.blocks.mamba import LinearGrowthMamba, Mamba
 from certblocks.blocks.mlp import MLP
 
@@ -49,8 +49,7 @@ class MambaForecasterLayer(nn.Module):
                  norm: Optional[str], placement: str, dropout: float, device=None, dtype=None) -> None:
         super().__init__()
         dd = {"device": device, "dtype": dtype}
-        if mixer not in _MIXERS:
-            raise ValueError(f"mixer must be one of {_MIXERS}, got {mixer!r}")
+        check_choice("mixer", mixer, _MIXERS)
         cls = LinearGrowthMamba if mixer == "linear_growth" else Mamba
         m = cls(d_model, d_state=d_state, d_conv=d_conv, expand=expand, dt_rank=dt_rank, **dd)
         f = MLP(d_model, d_ff, "gelu", dropout=dropout, **dd)

@@ -64,7 +64,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import bounds
-from .._validation import check_cert_args, check_choice, check_finite, check_input, check_int, check_prob
+from .._validation import (
+    check_bool,
+    check_cert_args,
+    check_choice,
+    check_finite,
+    check_input,
+    check_int,
+    check_prob,
+    check_real,
+)
 from ..certificate import BlockCertificate, Peak
 from ..exponents import ATTENTION, QK_NORM_ATTENTION, Exponents
 from ..fixes import Lever, scale_l1
@@ -148,8 +157,7 @@ class _SelfAttention(nn.Module):
         if dim % num_heads:
             raise ValueError(f"num_heads={num_heads} must divide dim={dim}")
         for name, flag in (("causal", causal), ("bias", bias)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {flag!r}")
+            check_bool(name, flag)
         qkv_bias = bias if qkv_bias is None else qkv_bias
         proj_bias = bias if proj_bias is None else proj_bias
         self.dim = dim
@@ -158,9 +166,7 @@ class _SelfAttention(nn.Module):
         self.causal = causal
         if scale is None:
             scale = self.head_dim ** -0.5
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-            raise ValueError(f"scale must be a number > 0 or None (1/sqrt(head_dim)), got {scale!r}")
-        self.scale = float(scale)
+        self.scale = check_real("scale", scale, gt=0.0, note="None: 1/sqrt(head_dim)")
         self.naming = check_choice("naming", naming, tuple(_NAMINGS))
         self._in_name, self._out_name = _NAMINGS[naming]
         dd = {"device": device, "dtype": dtype}

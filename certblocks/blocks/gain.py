@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .. import bounds
-from .._validation import check_cert_args
+from .._validation import check_cert_args, check_int, check_real
 from ..certificate import BlockCertificate, Peak
 from ..exponents import Exponents
 from ..fixes import Lever
@@ -47,8 +47,7 @@ class LayerScale(nn.Module):
 
     def __init__(self, dim: int, init_values: float = 1e-5, device=None, dtype=None) -> None:
         super().__init__()
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-            raise ValueError(f"dim must be a positive int, got {dim!r}")
+        check_int("dim", dim)
         self.init_values = check_init_values(init_values)
         self.gamma = nn.Parameter(torch.full((dim,), self.init_values, device=device, dtype=dtype))
 
@@ -65,10 +64,7 @@ class LayerScale(nn.Module):
 
 def check_init_values(value: Any) -> float:
     """``value`` as a float if it is a finite number > 0, else ``ValueError`` naming ``init_values``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 < float(value) < float("inf")):
-        raise ValueError(f"init_values must be a finite number > 0 (the branch gains' initial value) or None "
-                         f"(no gains), got {value!r}")
-    return float(value)
+    return check_real("init_values", value, gt=0.0, note="the branch gains' initial value; None: no gains")
 
 
 def scaled_certificate(cert: BlockCertificate, gain: float) -> BlockCertificate:

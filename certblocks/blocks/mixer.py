@@ -24,7 +24,7 @@ from torch.nn.utils import parametrize
 
 from .. import bounds
 from .. import kernels as _kernels
-from .._validation import check_bool, check_cert_args, check_finite, check_int, check_real
+from .._validation import check_bool, check_cert_args, check_choice, check_finite, check_int, check_real
 from ..exponents import Exponents
 from ..fixes import Lever
 from ..protocol import CapSlot, linear_cap_slots, softplus_ceiling
@@ -101,14 +101,12 @@ class SelectiveScanMixer(nn.Module):
         hi = check_real("dt_max", dt_max, positive=True)
         if lo > hi:
             raise ValueError(f"dt_min must be <= dt_max, got dt_min={dt_min!r}, dt_max={dt_max!r}")
-        if dt_init not in ("random", "constant"):
-            raise ValueError(f"dt_init must be 'random' or 'constant', got {dt_init!r}")
+        check_choice("dt_init", dt_init, ("random", "constant"))
         check_real("dt_scale", dt_scale)
         check_real("dt_init_floor", dt_init_floor, nonnegative=True)
         check_bool("conv_bias", conv_bias)
         check_bool("bias", bias)
-        if layer_idx is not None:
-            check_int("layer_idx", layer_idx, minimum=0)
+        check_int("layer_idx", layer_idx, minimum=0, optional=True)
         self.eps = check_real("eps", eps, positive=True)
         if dtype is not None and (not isinstance(dtype, torch.dtype) or dtype not in _kernels.FLOAT_DTYPES):
             raise TypeError(f"dtype must be one of {_kernels.FLOAT_DTYPES} or None, got {dtype!r} (the selective-scan "

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import bounds
-from .._validation import check_cert_args, check_choice, check_finite, check_input, check_int, check_prob
+from .._validation import check_bool, check_cert_args, check_choice, check_finite, check_input, check_int, check_prob
 from ..certificate import BlockCertificate
 from ..exponents import Exponents
 from ..fixes import Lever
@@ -137,8 +137,7 @@ class MLP(nn.Module):
         self.dim = check_int("dim", dim)
         self.hidden_dim = check_int("hidden_dim", hidden_dim)
         self.act = check_choice("act", act, _ACTS)
-        if not isinstance(bias, bool):
-            raise TypeError(f"bias must be a bool, got {bias!r}")
+        check_bool("bias", bias)
         dd = {"device": device, "dtype": dtype}
         self.fc1 = nn.Linear(dim, hidden_dim, bias=bias, **dd)
         self.fc2 = nn.Linear(hidden_dim, dim, bias=bias, **dd)
@@ -280,8 +279,7 @@ class GatedMLP(nn.Module):
         self.dim = check_int("dim", dim)
         self.hidden_dim = 4 * dim if hidden_dim is None else check_int("hidden_dim", hidden_dim)
         self.gate = check_choice("gate", gate, _GATES)
-        if not isinstance(bias, bool):
-            raise TypeError(f"bias must be a bool, got {bias!r}")
+        check_bool("bias", bias)
         self.exponents = Exponents(1, 1) if gate == "sigmoid" else Exponents(2, 1)
         dd = {"device": device, "dtype": dtype}
         self.fc1 = nn.Linear(dim, 2 * self.hidden_dim, bias=bias, **dd)

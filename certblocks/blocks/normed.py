@@ -35,11 +35,8 @@ _PLACEMENTS = ("pre", "peri")
 
 def make_norm(kind: str, d: int, eps: float = 1e-5, device=None, dtype=None) -> nn.Module:
     """``"layer"`` -> ``nn.LayerNorm``, ``"rms"`` -> ``nn.RMSNorm`` over ``d`` features."""
-    if kind == "layer":
-        return nn.LayerNorm(d, eps=eps, device=device, dtype=dtype)
-    if kind == "rms":
-        return nn.RMSNorm(d, eps=eps, device=device, dtype=dtype)
-    raise ValueError(f"norm must be one of {_KINDS}, got {kind!r}")
+    cls = nn.LayerNorm if check_choice("norm", kind, _KINDS) == "layer" else nn.RMSNorm
+    return cls(d, eps=eps, device=device, dtype=dtype)
 
 
 def normalized_certificate(branch: BlockCertificate, norm_in: nn.Module, norm_out: Optional[nn.Module], *,
@@ -62,8 +59,7 @@ def normalized_certificate(branch: BlockCertificate, norm_in: nn.Module, norm_ou
     """
     if branch.q is None or branch.sigma is None:
         raise ValueError(f"the branch's exponents are not derived: {branch}")
-    if placement not in _PLACEMENTS:
-        raise ValueError(f"placement must be one of {_PLACEMENTS}, got {placement!r}")
+    check_choice("placement", placement, _PLACEMENTS)
     if caps is None:
         a_in, _ = bounds.module_norm_bounds(norm_in)
         inner = bounds.prenorm_jacobian(norm_in, branch.jacobian_bound)  # sup_x ||J_F(N_in x)|| ||J_N_in(x)||

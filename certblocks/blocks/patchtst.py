@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from .. import bounds
-from .._validation import check_cert_args, check_choice, check_finite, check_int, check_prob
+from .._validation import check_bool, check_cert_args, check_choice, check_finite, check_int, check_prob, check_real
 from ..certificate import BlockCertificate
 from ..exponents import ATTENTION, NORM, Exponents
 from ..fixes import Lever
@@ -266,10 +266,8 @@ class PatchTSTBlock(nn.Module):
             check_choice("norm", norm, _NORMS)
         self.norm = norm
         self.placement = check_choice("placement", placement, _PLACEMENTS)
-        if not isinstance(qk_norm, bool):
-            raise TypeError(f"qk_norm must be a bool, got {qk_norm!r}")
-        if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not norm_eps > 0:
-            raise ValueError(f"norm_eps must be a number > 0, got {norm_eps!r}")
+        check_bool("qk_norm", qk_norm)
+        check_real("norm_eps", norm_eps, gt=0.0)
         dropout = check_prob("dropout", dropout)
         dd = {"device": device, "dtype": dtype}
         self.d_model = d_model

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import bounds
-from .._validation import check_choice, check_int
+from .._validation import check_choice, check_int, check_real
 
 __all__ = ["QKNorm", "QK_NORMS", "SplitQKVRMSNorm"]
 
@@ -98,9 +98,7 @@ class QKNorm(nn.Module):
         super().__init__()
         self.dim = check_int("dim", dim)
         self.kind = check_choice("qk_norm", kind, QK_NORMS)
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-            raise ValueError(f"eps must be a number > 0 (it bounds the Jacobian of the normalization), got {eps!r}")
-        self.eps = float(eps)
+        self.eps = check_real("eps", eps, gt=0.0, note="it bounds the Jacobian of the normalization")
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
         if kind == "layer":
             self.bias = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype))

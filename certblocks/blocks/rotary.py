@@ -25,7 +25,6 @@ the run's dtype, so ``cos^2 + sin^2`` is 1 only up to that rounding: the rotatio
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -33,7 +32,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import bounds
-from .._validation import check_cert_args, check_choice, check_finite, check_input, check_int, check_prob
+from .._validation import (
+    check_bool,
+    check_cert_args,
+    check_choice,
+    check_finite,
+    check_input,
+    check_int,
+    check_prob,
+    check_real,
+)
 from ..certificate import BlockCertificate
 from ..exponents import QK_NORM_ATTENTION, Exponents
 from ..protocol import CapSlot, linear_cap_slots
@@ -116,19 +124,11 @@ class RotaryQKNormAttention(nn.Module):
                 raise ValueError(f"num_heads={num_heads} must divide dim={dim}, or pass head_dim")
             head_dim = dim // num_heads
         self.head_dim = check_int("head_dim", head_dim)
-        if not isinstance(causal, bool):
-            raise TypeError(f"causal must be a bool, got {causal!r}")
-        self.causal = causal
+        self.causal = check_bool("causal", causal)
         self.qk_norm = check_choice("qk_norm", qk_norm, QK_NORMS)
-        for name, value, low in (("rope_theta", rope_theta, 1.0),
-                                 ("rope_attention_scaling", rope_attention_scaling, 1.0)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= low or math.isinf(value):
-                raise ValueError(f"{name} must be a finite number >= {low:g}, got {value!r}")
-        if (isinstance(partial_rotary_factor, bool) or not isinstance(partial_rotary_factor, (int, float))
-                or not 0.0 < partial_rotary_factor <= 1.0):
-            raise ValueError(f"partial_rotary_factor must be in (0, 1], got {partial_rotary_factor!r}")
-        self.rope_theta = float(rope_theta)
-        self.partial_rotary_factor = float(partial_rotary_factor)
+        self.rope_theta = check_real("rope_theta", rope_theta, ge=1.0)
+        check_real("rope_attention_scaling", rope_attention_scaling, ge=1.0)
+        self.partial_rotary_factor = check_real("partial_rotary_factor", partial_rotary_factor, gt=0.0, le=1.0)
         self.rotary_dim = int(self.head_dim * self.partial_rotary_factor)
         if self.rotary_dim < 2 or self.rotary_dim % 2:
             raise ValueError(f"rotary_dim = int(head_dim * partial_rotary_factor) = {self.rotary_dim} must be even "
@@ -136,9 +136,7 @@ class RotaryQKNormAttention(nn.Module):
         self.rope_attention_scaling = float(rope_attention_scaling)
         if scale is None:
             scale = self.head_dim ** -0.5
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-            raise ValueError(f"scale must be a number > 0 or None (1/sqrt(head_dim)), got {scale!r}")
-        self.scale = float(scale)
+        self.scale = check_real("scale", scale, gt=0.0, note="None: 1/sqrt(head_dim)")
         qkv_bias = bias if qkv_bias is None else qkv_bias
         proj_bias = bias if proj_bias is None else proj_bias
         dd = {"device": device, "dtype": dtype}

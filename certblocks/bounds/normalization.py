@@ -24,6 +24,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
+from .._validation import check_choice, check_real
 from .norms import vec_inf_norm, vec_norm
 
 __all__ = ["NORM_KINDS", "norm_bounds", "scalar_norm_bounds", "module_norm_bounds", "prenorm_jacobian"]
@@ -51,10 +52,8 @@ def norm_bounds(kind: str, weight: Optional[torch.Tensor], bias: Optional[torch.
 def scalar_norm_bounds(kind: str, gamma: float, beta: float, eps: float, *, numel: int,
                        d: Optional[int] = None) -> Tuple[float, float]:
     """``(A, G)`` from ``gamma >= ||g||_inf`` and ``beta >= ||beta||_2`` (see :func:`norm_bounds`)."""
-    if kind not in NORM_KINDS:
-        raise ValueError(f"kind must be one of {NORM_KINDS}, got {kind!r}")
-    if not eps > 0:
-        raise ValueError(f"a normalization with eps = {eps!r} has an unbounded Jacobian; eps must be > 0")
+    check_choice("kind", kind, NORM_KINDS)
+    check_real("eps", eps, gt=0.0, note="a normalization with eps 0 has an unbounded Jacobian")
     d = numel if d is None else d
     g = gamma
     a = (g if kind == "l2" else g * math.sqrt(numel)) + beta

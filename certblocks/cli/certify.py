@@ -11,6 +11,9 @@ MODEL is one of
   (``(module, example_input)``), or a module with an ``example_input`` attribute;
 * a zoo name (``certblocks.zoo``).
 
+The model is read by :func:`certblocks.model.as_certified`: a zoo model is certified from its own blocks (as
+``certblocks zoo`` shows it), any other from its graph captured on the example input (``--residual`` reads any model
+from its graph); a refusal prints the model's computed fixes (``fixes(dtype)``: its levers, each certified again).
 Without MODEL, every zoo model is certified (:func:`certblocks.cli.zoo.run_certify_zoo`, what
 ``make demo`` prints). Exit status: 0 certified, 1 not certified, 2 a bad argument or a MODEL that
 cannot be built or captured.
@@ -21,7 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import Any, List
 
 from ._common import (
     EXIT_NOT_CERTIFIED,
@@ -52,9 +55,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "without MODEL, default fp16,bf16,fp32)")
     p.add_argument("--r0", type=nonnegative_float, default=None,
                    help="bound on the input norm ||X_0|| (default: a zoo model's input_radius(), else 1)")
-    p.add_argument("--dt", type=positive_float, default=1.0, help="residual step size (default 1)")
+    p.add_argument("--dt", type=positive_float, default=None,
+                   help="residual step size of a model read from its graph (default 1; a zoo model's is its own)")
     p.add_argument("--seq-len", type=int_at_least(1), default=8,
-                   help="sequence length of the example input (default 8)")
+                   help="sequence length of the example input (default 8): a graph's certificate holds at that "
+                        "length; a zoo model is certified at its own")
     p.add_argument("--residual", default="auto",
                    help="'auto' (find residual updates), 'none' (whole model), or module path patterns "
                         "separated by commas (e.g. 'blocks.*.attn')")
@@ -73,7 +78,13 @@ def add_certify_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 @command("certify")
 def run_certify(args: argparse.Namespace) -> int:
-    """Run ``certblocks certify``; returns 0 when the stack is certified, 1 when not, 2 on a usage error."""
+    """Run ``certblocks certify``; returns 0 when the stack is certified, 1 when not, 2 on a usage error.
+
+    The model is read by :func:`certblocks.model.as_certified` (the one place that knows what kind of model it is:
+    a zoo model's own certificate, a converted model's blocks, any other module's graph captured on the example
+    input); its ``certificate(dtype)`` is printed, and on a refusal its ``fixes(dtype)``: each lever the model has,
+    certified again.
+    """
     if args.model is None:
         from .zoo import DEFAULT_DTYPES, run_certify_zoo
 
@@ -84,9 +95,9 @@ def run_certify(args: argparse.Namespace) -> int:
     progress = progress_of(args, "certify")
     progress("build", args.model)
     model, example = load_model(args.model, args.seq_len)
-    progress("capture (torch.export) and certify")
 
-    from certblocks.trace import CaptureError, ModelCertificate, certify
+    from certblocks.model import as_certified
+    from certblocks.trace import CaptureError
 
     residual: Any = args.residual
     if residual == "none":
@@ -94,40 +105,48 @@ def run_certify(args: argparse.Namespace) -> int:
     elif residual != "auto":
         residual = [p.strip() for p in residual.split(",") if p.strip()]
     try:
-        cert = certify(model, example, residual=residual)
-    except (CaptureError, ValueError) as exc:  # a model torch.export cannot capture, --residual matching nothing
-        progress.clear()
-        raise UsageError(str(exc)) from None
-    updates = cert if isinstance(cert, ModelCertificate) else ModelCertificate([cert], type(model).__name__)
-    try:
-        r0 = args.r0
-        if r0 is None:
-            radius = getattr(model, "input_radius", None)
-            r0 = float(radius()) if callable(radius) else 1.0
-        stack = updates.stack(dtype, r0=r0, dt=args.dt)
-    except (ValueError, TypeError) as exc:
-        raise UsageError(str(exc)) from None
+        cm = as_certified(model, example_input=example, r0=args.r0, dt=args.dt, residual=residual)
+        progress("certify (a model without certified blocks: captured with torch.export)")
+        stack = cm.certificate(dtype)
+        report = cm.graph_report()
+        if not stack.ok:
+            progress("fixes (each certified again)")
+        fixes = [] if stack.ok else cm.fixes(dtype)
+    except (CaptureError, ValueError, TypeError) as exc:  # a model torch.export cannot capture, --residual matching
+        # nothing, a --dt the model does not have
+        raise UsageError(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__) from None
     finally:
         progress.clear()
-    _print(args, updates, stack)
+    _print(args, cm, report, stack, fixes)
     return EXIT_OK if stack.ok else EXIT_NOT_CERTIFIED
 
 
-def _print(args: argparse.Namespace, updates: Any, stack: Any) -> None:
+def _print(args: argparse.Namespace, cm: Any, report: Any, stack: Any, fixes: List[Any]) -> None:
+    """The certificate (and, read from the graph, the updates found there); on a refusal, the model's fixes."""
     out = sys.stdout
     if args.json:
         from certblocks.trace.report import jsonable
 
-        doc = {"model": args.model, "certificates": updates.to_dict(), "stack": stack.to_dict()}
-        if not args.explain:
-            for u in doc["certificates"]["updates"]:
-                u.pop("nodes", None)
+        if report is not None:
+            updates = report.to_dict()
+            if not args.explain:
+                for u in updates["updates"]:
+                    u.pop("nodes", None)
+        else:  # certified blocks: their own certificates
+            updates = {"model": type(cm.module).__name__, "updates": [u.to_dict() for u in stack.updates]}
+        doc = {"model": args.model, "read_from": cm.kind, "certificates": updates,
+               "stack": stack.to_dict(fixes=fixes)}
         print(json.dumps(jsonable(doc), indent=2), file=out)
         return
-    print(updates.explain(), file=out)
-    if args.explain:
-        for u in updates:
-            print("", file=out)
-            print(u.explain(), file=out)
-    print("", file=out)
-    print(stack.explain(), file=out)
+    if report is not None:
+        print(report.explain(), file=out)
+        if args.explain:
+            for u in report:
+                print("", file=out)
+                print(u.explain(), file=out)
+        print("", file=out)
+    elif args.explain:
+        for u in stack.updates:
+            print(u, file=out)
+        print("", file=out)
+    print(stack.explain(fixes=fixes), file=out)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
+
+from certblocks._format import render_table  # the one renderer (re-exported: the CLI modules import it here)
 
 __all__ = ["format_depth", "format_exponents", "format_number", "render_table", "verdict"]
 
@@ -38,16 +40,3 @@ def format_exponents(q: Optional[float], sigma: Optional[float]) -> str:
 def verdict(cert: Any) -> str:
     """``yes 24/24`` or ``NO 11/14``: whether a stack certificate holds, its certified depth and its depth."""
     return f"{'yes' if cert.ok else 'NO'} {cert.certified_depth}/{cert.depth}"
-
-
-def render_table(header: Sequence[str], rows: Sequence[Sequence[str]], *, markdown: bool = False) -> str:
-    """Render rows as an aligned text table (first column left, the others right) or a Markdown table."""
-    if markdown:
-        out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-        return "\n".join(out + ["| " + " | ".join(r) + " |" for r in rows])
-    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(s.rjust(w) if i else s.ljust(w) for i, (s, w) in enumerate(zip(cells, widths)))
-
-    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])

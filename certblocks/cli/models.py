@@ -71,9 +71,12 @@ def check_spec(spec: str, *, zoo: bool = True, hf: Sequence[str] = HF_MODELS) ->
     if spec.startswith("hf:"):
         name = spec[3:].lower()
         if name not in hf:
-            allowed = ", ".join(f"hf:{n}" for n in hf)
-            raise ModelSpecError(f"hf:{name} is not supported; allowed: {allowed} (random weights from the default "
-                                 "config; hf:llama: GPT-2-small-sized)" + _did_you_mean(spec, [f"hf:{n}" for n in hf]))
+            canonical = [n for n in hf if "-" not in n]  # hf:gpt2-small, hf:gpt2-124m, hf:mamba-130m: aliases
+            aliases = [n for n in hf if "-" in n]
+            allowed = ", ".join(f"hf:{n}" for n in canonical) + (
+                f" (aliases {', '.join(f'hf:{n}' for n in aliases)})" if aliases else "")
+            raise ModelSpecError(f"hf:{name} is not supported; allowed: {allowed}; random weights from the default "
+                                 "config, hf:llama GPT-2-small-sized" + _did_you_mean(spec, [f"hf:{n}" for n in hf]))
         return
     if spec.startswith("module:") or (zoo and spec in ZOO_NAMES):
         return

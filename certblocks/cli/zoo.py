@@ -1,7 +1,8 @@
 """``certblocks zoo``: the zoo's models and their certificates; :func:`run_certify_zoo` for ``certblocks certify``.
 
 Models are built with seed 0 and ``certify=False`` so that the ones past their budget are shown, not refused;
-certificates use each model's default ``r0`` (from its embedding weights) and ``seq_len``. The zoo (and with it
+each is read by :func:`certblocks.model.as_certified` and certified at its default ``r0`` (from its embedding
+weights) and ``seq_len``. The zoo (and with it
 timm, which it registers models in) is imported when a command runs, never for ``--help``.
 """
 
@@ -35,8 +36,11 @@ def model_table(model: Any, dtypes: Sequence[str] = DEFAULT_DTYPES, *, markdown:
     One row per residual update (exponents, coefficients), then one row per dtype (certified depth, forward
     and backward depths, final radius, gradient bound, first failure).
     """
+    from certblocks.model import as_certified
+
     f3 = format_number
-    certs = [model.certificate(d) for d in dtypes]
+    cm = as_certified(model)
+    certs = [cm.certificate(d) for d in dtypes]
     first = certs[0]
     segs = list(first.updates) + ([first.head] if first.head is not None else [])
     rows = [[u.name + ("" if u.kind == "update" else f" ({'head' if u is first.head else u.kind})"),
@@ -50,7 +54,7 @@ def model_table(model: Any, dtypes: Sequence[str] = DEFAULT_DTYPES, *, markdown:
     dt = render_table(["dtype", "certified", "D_F", "D_grad", "R_D", "log grad bound", "first failure"], drows,
                       markdown=markdown)
     lip = "" if first.head is None else f" (head x loss gradient {first.loss_grad:.4g})"
-    head = (f"r0 = {f3(first.r0)}, seq_len = {model.certificate_seq_len()}, dt = {first.dt:g}, "
+    head = (f"r0 = {f3(first.r0)}, seq_len = {cm.seq_len}, dt = {first.dt:g}, "
             f"Lip(G) = {first.lip_g:g}{lip}")
     return f"{head}\n\n{upd}\n\n{dt}" if markdown else f"{head}\n{upd}\n\n{dt}"
 
@@ -68,6 +72,7 @@ def _build(name: str) -> Any:
 def zoo_table(names: Sequence[str], dtypes: Sequence[str] = DEFAULT_DTYPES, *, markdown: bool = False,
               models: Optional[dict] = None, progress: Optional[Progress] = None) -> str:
     """One row per model: family, depth, exponents, certified depth per dtype."""
+    from certblocks.model import as_certified
     from certblocks.zoo import model_entry
 
     rows = []
@@ -75,7 +80,8 @@ def zoo_table(names: Sequence[str], dtypes: Sequence[str] = DEFAULT_DTYPES, *, m
         if progress is not None:
             progress("build and certify", n)
         m = models[n] if models and n in models else _build(n)
-        certs = [m.certificate(d) for d in dtypes]
+        cm = as_certified(m)
+        certs = [cm.certificate(d) for d in dtypes]
         rows.append([n, model_entry(n).family, str(certs[0].depth), _exponent_summary(certs[0])]
                     + [verdict(c) for c in certs])
     if progress is not None:

@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from .._validation import check_int
+from .._validation import check_bool, check_int, check_real
 from ..budget import dtype_name, float_max
 from ..model import as_args, as_certified, envelope_paused, underlying, unwrap
 from .graph import graph_steps
@@ -114,8 +114,7 @@ def trajectory_of_call(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str
     assert inner is not None
     name = dtype_name(dtype)
     _check_options(loss, loss_gradient, steps, tol, dense_max, logit_samples)
-    if jacobians is not None and not isinstance(jacobians, bool):
-        raise TypeError(f"jacobians must be a bool, got {jacobians!r}")
+    check_bool("jacobians", jacobians, optional=True)
     with envelope_paused(), eval_mode(inner):
         if cm.stack_forward:
             _check_dt(dt, cm.dt, type(inner).__name__)
@@ -136,12 +135,9 @@ def trajectory_of_call(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str
 def _check_options(loss: Any, loss_gradient: Any, steps: Any, tol: Any, dense_max: Any, logit_samples: Any) -> None:
     if loss is not None and not callable(loss):
         raise TypeError(f"loss must be a callable loss(output) -> scalar tensor, or None, got {type(loss).__name__}")
-    if loss_gradient is not None and (isinstance(loss_gradient, bool) or not isinstance(loss_gradient, (int, float))
-                                      or not math.isfinite(loss_gradient) or loss_gradient <= 0):
-        raise ValueError(f"loss_gradient must be a finite number > 0 or None, got {loss_gradient!r}")
+    check_real("loss_gradient", loss_gradient, gt=0.0, optional=True)
     check_int("steps", steps)
-    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not (tol >= 0):
-        raise ValueError(f"tol must be a number >= 0, got {tol!r}")
+    check_real("tol", tol, ge=0.0)
     check_int("dense_max", dense_max, 0)
     check_int("logit_samples", logit_samples)
 
@@ -149,8 +145,7 @@ def _check_options(loss: Any, loss_gradient: Any, steps: Any, tol: Any, dense_ma
 def _check_dt(dt: Any, own: float, model: str) -> None:
     if dt is None:
         return
-    if isinstance(dt, bool) or not isinstance(dt, (int, float)) or not math.isfinite(dt) or dt <= 0:
-        raise ValueError(f"dt must be a finite number > 0 or None, got {dt!r}")
+    check_real("dt", dt, gt=0.0, optional=True)
     if float(dt) != own:
         raise ValueError(f"dt={dt!r} differs from the step {own:g} of {model}'s updates (the bound is for the "
                          "model as it runs): leave dt=None")

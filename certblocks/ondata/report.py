@@ -27,7 +27,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from .._format import fmt_num
+from .._format import fmt_num, render_table
+from .._validation import check_choice
 from ..budget import float_max
 
 __all__ = ["UpdateTrajectory", "HeadTrajectory", "TrajectoryReport", "QUANTITIES", "BASES"]
@@ -302,8 +303,7 @@ class TrajectoryReport:
         """``(forward headroom, backward headroom, basis used)`` on ``basis``: ``"measured"`` (both sides as the
         batch ran), ``"estimate"`` or ``"certified"`` (the certified backward bound).  A basis the report has no
         figure for falls back to ``"estimate"``, and without estimates (``jacobians=False``) to ``"measured"``."""
-        if basis not in BASES:
-            raise ValueError(f"basis must be one of {', '.join(map(repr, BASES))}, got {basis!r}")
+        check_choice("basis", basis, BASES)
         for b in (basis, "estimate", "measured", "certified"):
             sides = self._sides(b)
             if sides is not None:
@@ -407,7 +407,7 @@ class TrajectoryReport:
                  f"{self.dtype} (log M = {self.log_max:.4g} nats)"]
         head = ("update", "kind", "|X_k|", "peak", "|Dv| est", "steps", "|Dv| cert", "log factor", "|p_k|", "kappa",
                 "logit")
-        rows = [head]
+        rows = []
         for u in self.updates:
             rows.append((u.name, u.kind, fmt_num(u.state_norm), fmt_num(u.peak), _opt(u.jacobian_norm),
                          f"{u.steps}{'' if u.converged else '*'}",
@@ -415,10 +415,7 @@ class TrajectoryReport:
                          _opt(u.log_factor), _opt(u.costate_norm),
                          "-" if u.kappa is None else fmt_num(u.kappa),
                          "-" if u.max_logit is None else fmt_num(u.max_logit)))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-        for r in rows:
-            cells = (c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-            lines.append("  " + "  ".join(cells))
+        lines.append(render_table(head, rows, align="ll" + "r" * (len(head) - 2), rule=False, indent="  "))
         if not self.converged:
             lines.append("  * not converged (relative change above the tolerance): the estimate may be low")
         h = self.head

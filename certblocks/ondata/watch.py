@@ -11,6 +11,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from .._validation import check_choice, check_int
 from .api import eval_mode, evaluate, trajectory_of_call
 from .report import BASES, TrajectoryReport
 from .sources import Call, Head, Source, calls_steps, token_norm_max
@@ -65,11 +66,8 @@ class OnDataWatch:
     def __init__(self, dtype: str, *, threshold: Optional[float], horizon: Optional[int], window: int, steps: int,
                  tol: float, logit_samples: int, basis: str = "measured", estimate_every: Optional[int] = None
                  ) -> None:
-        if basis not in BASES:
-            raise ValueError(f"headroom_basis must be one of {', '.join(map(repr, BASES))}, got {basis!r}")
-        if estimate_every is not None and (isinstance(estimate_every, bool) or not isinstance(estimate_every, int)
-                                           or estimate_every < 1):
-            raise ValueError(f"estimate_every must be an int >= 1 or None, got {estimate_every!r}")
+        check_choice("headroom_basis", basis, BASES)
+        check_int("estimate_every", estimate_every, optional=True)
         self.basis, self.estimate_every, self.checks = basis, estimate_every, 0
         self.exported: Dict[Any, Any] = {}  # a model without certified blocks: its exported graph across checks
         self.dtype = dtype

@@ -28,7 +28,8 @@ counterexample; :func:`search` returns the :class:`SoundnessReport` without rais
 :func:`search_growth`, :func:`search_jacobian` and :func:`search_peak` run one check with its own
 settings.  :func:`search_model` and :func:`assert_model_sound` search a whole model against its
 stack certificate (output, every intermediate, the gradient, the state and costate at each segment
-boundary; :mod:`certblocks.testing.models`).  Finding nothing is evidence, not proof; the harness's own
+boundary; :mod:`certblocks.testing.models`).  :func:`mamba_ssm_on_cpu` runs mamba-ssm's models on a machine
+without CUDA (:mod:`certblocks.testing.mamba_cpu`).  Finding nothing is evidence, not proof; the harness's own
 tests plant wrong certificates and check that it finds them.  ``v`` must map a batch ``(B, *shape)`` to
 ``(B, ..., features)`` sample by sample (a module in eval mode): this is checked.  ``import certblocks`` does not import
 this module.
@@ -38,13 +39,15 @@ from ._constants import CHECKS, DEFAULT_RADII, DEFAULT_RTOL, FAMILIES
 from .counterexamples import assert_sound, search, search_growth, search_jacobian, search_peak
 from .inputs import random_inputs, token_norm
 from .jacobian import _resolve_jvp, jacobian_norm_lower  # noqa: F401  (_resolve_jvp: read by the tests)
+from .mamba_cpu import install_selective_scan_stub, mamba_cpu_config, mamba_ssm_on_cpu
 from .models import LOSSES, MODEL_CHECKS, assert_model_sound, search_model
 from .record import as_atom, largest_intermediate
 from .results import CheckResult, ModelSoundnessReport, SoundnessReport
 
 __all__ = ["CHECKS", "DEFAULT_RADII", "DEFAULT_RTOL", "FAMILIES", "LOSSES", "MODEL_CHECKS", "CheckResult",
            "ModelSoundnessReport", "SoundnessReport", "as_atom", "assert_model_sound", "assert_sound",
-           "jacobian_norm_lower", "largest_intermediate", "random_inputs", "search", "search_growth", "search_jacobian",
+           "install_selective_scan_stub", "jacobian_norm_lower", "largest_intermediate", "mamba_cpu_config",
+           "mamba_ssm_on_cpu", "random_inputs", "search", "search_growth", "search_jacobian",
            "search_model", "search_peak", "token_norm"]
 
 # OpInfo conformance of the tracer's rules: certblocks.testing.conformance, imported on first use (it imports the

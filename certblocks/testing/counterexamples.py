@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch import Tensor, nn
 
+from .._validation import check_real
 from ..certificate import BlockCertificate
 from ._constants import _DEFAULT_COUNT, CHECKS, DEFAULT_RADII, DEFAULT_RTOL, FAMILIES, Device, Example, Velocity
 from .inputs import _check_count, _check_radius, _check_shape, _on_sphere, _unit_tokens, random_inputs, token_norm
@@ -71,9 +72,7 @@ def _prepare(v: Velocity, example: Example, dtype: torch.dtype, cast: bool, devi
     for name in ("count", "restarts", "from_best", "steps", "power_iters", "seed"):
         _check_count(name, getattr(s, name))
     for name in ("lr", "rtol"):
-        value = getattr(s, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        check_real(name, getattr(s, name), ge=0.0)
     random_inputs(shape, 1.0, 0, families=s.families)  # validates the families
     tensors = list(v.parameters()) + list(v.buffers()) if isinstance(v, nn.Module) else []
     s.device = torch.device(device) if device is not None else tensors[0].device if tensors else torch.device("cpu")

@@ -19,6 +19,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from .._validation import check_int, check_real
 from ._constants import FAMILIES
 
 
@@ -143,12 +144,8 @@ def _check_shape(shape: Sequence[int]) -> Tuple[int, ...]:
 
 
 def _check_radius(r: float) -> float:
-    if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r < 0:
-        raise ValueError(f"a radius must be a finite number >= 0, got {r!r}")
-    return float(r)
+    return check_real("radius", r, ge=0.0)
 
 
 def _check_count(name: str, n: int) -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {n!r}")
-    return n
+    return check_int(name, n, 0)

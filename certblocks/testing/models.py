@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._validation import check_choice
 from ..certificate import StackCertificate
 from ._constants import DEFAULT_RTOL, FAMILIES
 from .counterexamples import _ascend
@@ -481,8 +482,7 @@ def search_model(model: nn.Module, stack_certificate: StackCertificate, example:
         raise TypeError(f"stack_certificate must be a StackCertificate, got {type(stack_certificate).__name__}")
     if not isinstance(example, Tensor) or example.dim() < 1:
         raise TypeError(f"example must be the example input tensor, got {type(example).__name__}")
-    if loss not in LOSSES:
-        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+    check_choice("loss", loss, LOSSES)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     for name, n in (("count", count), ("restarts", restarts), ("from_best", from_best), ("steps", steps),

@@ -311,8 +311,8 @@ def test_every_attention_reports_kappa_and_its_largest_logit(name):
 
 
 def test_every_block_lists_its_levers():
-    from certblocks import LinearGrowthMamba, Mamba, RotaryQKNormAttention
-    from certblocks.blocks import LayerScale, NormedUpdate, ScaledBranch
+    from certblocks import LinearGrowthMamba, RotaryQKNormAttention
+    from certblocks.blocks import LayerScale, Mamba, NormedUpdate, ScaledBranch
 
     assert [lv.name for lv in QKNormAttention(D, H).levers()] == ["qk_norm_eps"]
     assert [lv.name for lv in RotaryQKNormAttention(D, H).levers()] == ["qk_norm_eps"]

@@ -220,7 +220,7 @@ def test_converted_model_enforced_and_monitored() -> None:
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 100)
     certs = [b.certificate() for b in (model.h[0]["attn"], model.h[0]["mlp"], model.h[1]["attn"], model.h[1]["mlp"])]
-    assert certblocks.certify_stack(certs, "fp16", r0=4.0).ok
+    assert certblocks.certificate.certify_stack(certs, "fp16", r0=4.0).ok
     mon = CertificateMonitor(report, "fp16", r0=4.0, every=1, threshold=-1e9)
     model(torch.randn(2, 5, 16)).sum().backward()
     rec = mon.step()
@@ -265,7 +265,7 @@ def test_bf16_parameters_stay_within_caps() -> None:
             p.add_((torch.randn(p.shape) * 300).to(p.dtype))
     _effective_norms_within_caps(st)
     st.recertify()
-    assert certblocks.certify_stack([b.certificate() for b in st.blocks], "fp16").ok
+    assert certblocks.certificate.certify_stack([b.certificate() for b in st.blocks], "fp16").ok
     assert torch.isfinite(st(torch.randn(2, 4, 16, dtype=torch.bfloat16))).all()
 
 

@@ -16,7 +16,7 @@ from certblocks.bounds import product_norm
 from certblocks.monitor import CertificateMonitor, CertificateWarning, residual_updates
 
 
-def _stack(seed: int = 0, dtype: str = "fp32", dt: float = 0.5, r0: float = 20.0) -> certblocks.CertifiedStack:
+def _stack(seed: int = 0, dtype: str = "fp32", dt: float = 0.5, r0: float = 20.0) -> certblocks.stack.CertifiedStack:
     """Four updates, certified for inputs of per-token norm up to ``r0`` (the tests' batches stay inside it)."""
     torch.manual_seed(seed)
     blocks = [Attention(16, 2), MLP(16, 32), QKNormAttention(16, 2), GatedMLP(16, 24, bias=True)]
@@ -51,7 +51,7 @@ def test_figures_match_direct_computation() -> None:
         states.append(nxt)
     (states[-1] - 1.0).square().mean().backward()
     certs = [blk.certificate() for blk in st.blocks]
-    stack = certblocks.certify_stack(certs, "fp32", dt=st.dt, r0=st.r0)
+    stack = certblocks.certificate.certify_stack(certs, "fp32", dt=st.dt, r0=st.r0)
     budget = math.log(torch.finfo(torch.float32).max)
     for k, (blk, cert) in enumerate(zip(st.blocks, certs)):
         key = f"blocks.{k}"

@@ -12,7 +12,7 @@ from certblocks.blocks import MLP, Attention, GatedMLP, QKNormAttention
 from certblocks.certificate import BlockCertificate
 
 
-def stack(seed: int = 0, dim: int = 8, dt: float = 1.0) -> certblocks.CertifiedStack:
+def stack(seed: int = 0, dim: int = 8, dt: float = 1.0) -> certblocks.stack.CertifiedStack:
     """Attention, MLP, QK-norm attention and a gated MLP: a CertifiedStack of four kinds of update."""
     torch.manual_seed(seed)
     blocks = [Attention(dim, 2), MLP(dim, 2 * dim), QKNormAttention(dim, 2, qk_norm="layer"), GatedMLP(dim, 2 * dim)]
@@ -45,7 +45,7 @@ class Scale(nn.Module):
         return self.w.to(x.dtype) * x
 
 
-def scale_stack(g: float, depth: int) -> certblocks.CertifiedStack:
+def scale_stack(g: float, depth: int) -> certblocks.stack.CertifiedStack:
     c = g - 1.0
     pairs: List = [(Scale(g), BlockCertificate(1.0, 0.0, c=c, b=0.0, l1=0.0, l0=c)) for _ in range(depth)]
     return certblocks.build_stack(pairs, "fp32", certify=False)

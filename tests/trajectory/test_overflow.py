@@ -93,7 +93,7 @@ def test_real_model_overflowing_in_float16_has_negative_headroom() -> None:
     assert rep.worst()[1] in ("state norm", "logits", "intermediate")
 
 
-def _prenorm_stack(gain: float) -> certblocks.CertifiedStack:
+def _prenorm_stack(gain: float) -> certblocks.stack.CertifiedStack:
     """Pre-LN MLP updates; ``gain`` scales the last linear layer of each (a large one overflows float16)."""
     from certblocks.zoo._layers import NormedUpdate
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from certblocks import Attention, QKNormAttention, RotaryQKNormAttention
+from certblocks import QKNormAttention, RotaryQKNormAttention
+from certblocks.blocks import Attention
 from certblocks.blocks.mlp import GatedMLP
 from certblocks.conversion import ConversionError, ConversionWarning, IdentityNorm, convert
 
@@ -181,8 +182,8 @@ def test_enforced_converted_llama_stays_certified_whatever_the_weights():
         for p in model.parameters():
             p.mul_(30.0).add_(torch.randn_like(p))
     certs = [m.certificate() for m in updates]
-    assert certblocks.certify_stack(certs, "bf16", r0=3.0, lip_g=50.0).ok, rep
+    assert certblocks.certificate.certify_stack(certs, "bf16", r0=3.0, lip_g=50.0).ok, rep
     ids = _ids()
     assert torch.isfinite(model(ids).logits).all()
-    certblocks.unenforce(model)
+    certblocks.enforcement.unenforce(model)
     assert not any("parametrizations" in n for n, _ in model.named_parameters())

@@ -41,4 +41,4 @@ def test_enforced_form_stays_certified_after_training_steps():
         loss.backward()
         opt.step()
     updates = [m for layer in model.model.layers for m in (layer.self_attn, layer.mlp)]
-    assert certblocks.certify_stack([m.certificate() for m in updates], "bf16", r0=2.0 * cap).ok
+    assert certblocks.certificate.certify_stack([m.certificate() for m in updates], "bf16", r0=2.0 * cap).ok
