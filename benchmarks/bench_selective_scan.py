@@ -223,11 +223,9 @@ def bench_cpu(args):
     for (n, k), ts in times.items():
         add(n, k, statistics.median(ts), ts)
     try:
-        import importlib.util
-        import types
+        from certblocks.testing.mamba_cpu import install_selective_scan_stub
 
-        if importlib.util.find_spec("selective_scan_cuda") is None:  # mamba-ssm built without CUDA
-            sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
+        install_selective_scan_stub()  # mamba-ssm built without its CUDA extension
         from mamba_ssm.ops.selective_scan_interface import selective_scan_ref
     except Exception as exc:
         log(f"mamba-ssm not importable ({exc!r}): skipping its reference")

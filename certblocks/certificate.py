@@ -320,6 +320,8 @@ class StackCertificate:
         head: the head's certificate (a map), or ``None``.
         loss_grad: the bound on the loss gradient in the head's output (1 without a loss).
         output_bound: the head's output bound at ``R_n`` (``nan`` without a head).
+        scope: what the chain does not cover, in words (``""``: nothing; e.g. a converted model certified without
+            a batch: its blocks as velocities of their own inputs, not the modules around them).
     """
 
     updates: Tuple[BlockCertificate, ...]
@@ -337,6 +339,7 @@ class StackCertificate:
     head: BlockCertificate | None = None
     loss_grad: float = 1.0
     output_bound: float = math.nan
+    scope: str = ""
 
     @property
     def depth(self) -> int:
@@ -413,7 +416,7 @@ class StackCertificate:
             "radius_out": json_number(self.radii[-1]),
             "head": None if self.head is None else self.head.to_dict(),
             "loss_grad": self.loss_grad, "output_bound": json_number(self.output_bound),
-            "unchecked": self.unchecked,
+            "unchecked": self.unchecked, "scope": self.scope,
         }
         if fixes is not False:
             out["fixes"] = [f.to_dict() for f in self._fixes_of(fixes)]
@@ -463,6 +466,8 @@ class StackCertificate:
             which = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
             out.append(f"not checked: segment(s) {which} state no peak: only their state is bounded, not their "
                        "intermediates")
+        if self.scope:
+            out.append(f"scope: {self.scope}")
         if self.ok:
             out.append(f"certified: all {self.depth} updates (D_F >= {self.forward_depth}, "
                        f"D_grad >= {self.backward_depth}) in {self.dtype}")

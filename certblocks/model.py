@@ -391,6 +391,13 @@ def _real(name: str, value: Any, *, positive: bool = False) -> Optional[float]:
     return check_real(name, value, positive=positive, nonnegative=not positive, optional=True)
 
 
+#: The scope of a converted model's certificate computed without a batch (:attr:`StackCertificate.scope`).
+BLOCKS_ONLY = ("the chain of the model's certified blocks, each a velocity of its own input, from r0 with the stated "
+               "Lip(G): the modules around them (kept normalizations, branches left unconverted, the stem and the "
+               "head) are not covered; pass example_input= to as_certified for the model's certificate read from its "
+               "graph")
+
+
 @dataclass
 class CertifiedModel:
     """A model as certblocks reads it (:func:`as_certified`): its residual updates in depth order and the run
@@ -589,6 +596,8 @@ class CertifiedModel:
             cert = certify_stack(certs, name, dt=self.dt, r0=r, head=head, loss_grad=self.loss_gradient)
         else:
             cert = certify_stack(certs, name, dt=self.dt, r0=r, lip_g=self.lip_g)
+        if self.kind == "blocks":  # nothing but the blocks is known without the graph: say what is not covered
+            cert = dataclasses.replace(cert, scope=BLOCKS_ONLY)
         if record_envelope and self.module is not None and self.modules:
             self._record_envelope(name, n, r)
         return cert

@@ -170,3 +170,12 @@ def test_converted_model_envelope_through_the_spine() -> None:
     with pytest.warns(EnvelopeWarning, match=r"sequence length 20 > the certified seq_len 12"):
         model(input_ids=_ids(20))
     assert cm.envelope.used()[1] == 20 and cm.certificate().dtype == "bf16"
+
+
+def test_a_certificate_without_a_batch_says_what_it_does_not_cover() -> None:
+    model = _converted("gpt2").eval()
+    blocks = as_certified(model, r0=1.0, seq_len=12).certificate("fp32", record_envelope=False)
+    assert "kept normalizations" in blocks.scope and "scope:" in blocks.explain()
+    assert blocks.to_dict()["scope"] == blocks.scope
+    whole = as_certified(model, example_input={"input_ids": _ids(12)}).certificate("fp32")
+    assert whole.scope == ""  # read from its graph: the whole model's chain

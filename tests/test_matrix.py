@@ -165,9 +165,6 @@ ROWS: Dict[str, Row] = {
 #: bug of a file this test does not own is listed as such (its short text says "bug"), so that the table says it
 #: and the test fails once it is fixed (then the cell becomes "yes" here and in docs/matrix.md).
 EXPECTED: Dict[Tuple[str, str], Tuple[type, str, str]] = {
-    ("zoo_forecaster", "trajectory"): (RuntimeError, r"The size of tensor a \(4\) must match the size of tensor b "
-                                                     r"\(2\)",
-                                       "RuntimeError: bug, the head folds the channels into the batch (batch > 1)"),
     ("hf_mamba", "enforce"): (TypeError, r"MambaForCausalLM has no certified block .* for enforce to cap; convert it "
                                          r"with certblocks\.convert first",
                               "TypeError: no certified block to cap; convert it first"),

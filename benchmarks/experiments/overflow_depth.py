@@ -2,7 +2,7 @@
 
 For each block type (MLP, GatedMLP sigmoid and SiLU, Attention, QKNormAttention,
 LinearGrowthMamba, Mamba) a stack ``X_{k+1} = X_k + v_k(X_k)`` of ``depth`` independently
-initialized blocks (seeded) is certified with :func:`certblocks.certify_stack` (the blocks'
+initialized blocks (seeded) is certified with :func:`certblocks.certificate.certify_stack` (the blocks'
 ``certificate()`` from their current weights, ``r0`` the input radius) and then run in fp16, bf16
 and fp32 from adversarial inputs with ``||X_0|| <= r0`` (per-token ball):
 
@@ -48,8 +48,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from certblocks import certify_stack
 from certblocks.budget import float_max
+from certblocks.certificate import certify_stack
 from certblocks.stack import block_certificate
 
 OUT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "out")

@@ -151,6 +151,7 @@ class SpectralEstimate:
 
     Attributes:
         values: ``(B,)`` float64; ``inf`` for a sample whose products are not finite (the Jacobian overflows).
+            ``(1,)``, the whole batch's, for a map whose output batch differs from its input's.
         vector: the unit right singular vector reached (a warm start for the next call), shape of ``x``.
         steps: Lanczos steps run (each one Jacobian-vector and one vector-Jacobian product).
         change: the largest relative change of a sample's estimate over the last step (0 when converged exactly).
@@ -204,14 +205,17 @@ def jacobian_spectral_norm(lin: LinearizedMap, *, steps: int = 12, tol: float = 
         seed: seed of the random starting vectors.
     """
     x = lin.x
-    B = x.shape[0]
+    # one block per sample when the map keeps the batch (sample s's output reads sample s only); a map whose output
+    # batch differs (a forecaster's head gathering a series' channels folded into the batch) is one block
+    B = x.shape[0] if lin.out.shape[:1] == x.shape[:1] else 1
+    N = x.numel() // max(B, 1)
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     gen = torch.Generator().manual_seed(seed)
     bad = torch.zeros(B, dtype=torch.bool, device=x.device)
 
     def checked(r: Tensor) -> Tensor:
         nonlocal bad
-        r = _flat(r).detach().to(work)
+        r = r.reshape(B, -1).detach().to(work)
         finite = torch.isfinite(r).all(dim=1)
         bad = bad | ~finite
         return torch.where(finite[:, None], r, torch.zeros_like(r))
@@ -225,9 +229,9 @@ def jacobian_spectral_norm(lin: LinearizedMap, *, steps: int = 12, tol: float = 
         u = J(t)
         nu = torch.linalg.vector_norm(u.to(torch.float64), dim=1, keepdim=True)
         return JT(u / nu.clamp_min(1e-300).to(work)) * nu.to(work)
-    start = torch.randn(B, x[0].numel(), generator=gen, dtype=torch.float64).to(x.device, work)
+    start = torch.randn(B, N, generator=gen, dtype=torch.float64).to(x.device, work)
     if v0 is not None and tuple(v0.shape) == tuple(x.shape):
-        start = _flat(v0).to(x.device, work)
+        start = v0.reshape(B, N).to(x.device, work)
     V: List[Tensor] = [_normalize(start, [], gen)]
     alphas: List[Tensor] = []
     betas: List[Tensor] = []
@@ -251,8 +255,8 @@ def jacobian_spectral_norm(lin: LinearizedMap, *, steps: int = 12, tol: float = 
             change = float(rel.max()) if rel.numel() else 0.0
             done = change <= tol
         est = new
-        if done or n >= steps or len(V) >= x[0].numel():
-            done = done or len(V) >= x[0].numel()
+        if done or n >= steps or len(V) >= N:
+            done = done or len(V) >= N
             break
         b = torch.linalg.vector_norm(w.to(torch.float64), dim=1)
         betas.append(b)
@@ -278,13 +282,18 @@ def dense_jacobian_norm(f64: Map, x: Tensor) -> Tensor:
         x: the states ``(B, ...)`` (cast to float64).
 
     Returns:
-        ``(B,)`` float64 upper bounds (exact up to the float64 rounding of the Jacobian itself).
+        ``(B,)`` float64 upper bounds (exact up to the float64 rounding of the Jacobian itself); ``(1,)``, the whole
+        batch's, when the map's output batch differs from its input's.
     """
     x64 = x.detach().to(torch.float64).requires_grad_(True)
     with torch.enable_grad(), torch.autocast(x.device.type, enabled=False):
-        out = _flat(f64(x64))
+        y = f64(x64)
+        # samples are independent when the map keeps the batch; otherwise (a head that gathers channels folded into
+        # the batch) the whole batch is one block: (1, N_out, N_in)
+        B = x64.shape[0] if y.shape[:1] == x64.shape[:1] else 1
+        out = y.reshape(B, -1)
         rows = []
-        for i in range(out.shape[1]):  # samples are independent: one backward gives row i of every sample
-            rows.append(_flat(torch.autograd.grad(out[:, i].sum(), x64, retain_graph=True)[0]))
+        for i in range(out.shape[1]):  # one backward gives row i of every block
+            rows.append(torch.autograd.grad(out[:, i].sum(), x64, retain_graph=True)[0].reshape(B, -1))
     J = torch.stack(rows, dim=1)  # (B, N_out, N_in)
     return torch.tensor([op_norms(J[s:s + 1])[0] for s in range(J.shape[0])], dtype=torch.float64)

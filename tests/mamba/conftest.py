@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-import types
-
 import pytest
+
+from certblocks.testing.mamba_cpu import install_selective_scan_stub
 
 
 @pytest.fixture
@@ -15,8 +14,7 @@ def mamba_ssm_ref(monkeypatch):
     The causal-conv and decode kernels (CUDA / triton) are switched off too, so ``forward`` and ``step``
     take mamba_ssm's plain torch code.
     """
-    if "selective_scan_cuda" not in sys.modules:
-        sys.modules["selective_scan_cuda"] = types.ModuleType("selective_scan_cuda")
+    install_selective_scan_stub()
     ms = pytest.importorskip("mamba_ssm.modules.mamba_simple")
     from mamba_ssm.ops.selective_scan_interface import selective_scan_ref
 

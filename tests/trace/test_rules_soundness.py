@@ -88,6 +88,9 @@ SOUND: Dict[str, Callable] = {
     "cast to uint8": lambda m, h: h.to(torch.uint8).to(h.dtype) + 0.0 * h,
     # rounding
     "cast to bfloat16": lambda m, h: h.to(torch.bfloat16).to(h.dtype),
+    # reciprocals of arguments with a proven positive minimum (HF's RMSNorm written out: its rsqrt node in the peak)
+    "direct rms norm written out": lambda m, h: h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6),
+    "reciprocal of a positive sum": lambda m, h: h * torch.reciprocal(h.abs() + 0.5),
     # -inf masks that leave a finite entry in every row
     "direct softmax with a causal -inf mask": lambda m, h: torch.softmax(h + _causal(m), -1),
     "direct softmax after masked_fill": lambda m, h: torch.softmax(h.masked_fill(m.after, float("-inf")), -1),
@@ -137,6 +140,7 @@ REFUSED: Dict[str, tuple] = {
     "group_norm with an input-dependent weight": (
         lambda m, h: F.group_norm(h.transpose(1, 2), 2, weight=h[0, 0]), "input-dependent affine parameters"),
     "view reinterpreting the bits": (lambda m, h: h.view(torch.int32).to(h.dtype), "view.dtype"),
+    "rsqrt without a positive minimum": (lambda m, h: torch.rsqrt(h.abs()), "no proven positive lower bound"),
     "softmax of a fully masked row": (
         lambda m, h: torch.softmax(h.masked_fill(m.row_masked, float("-inf")), -1), "fully masked row"),
     "softmax of an input with no entry bound": (lambda m, h: torch.softmax(torch.exp(h), -1), "no finite entry"),

@@ -140,6 +140,29 @@ def _inverse(it: VelocityInterpreter, node: Any, den: Union[AValue, float]) -> U
     return reciprocal(den, m, f"reciprocal of {name} >= {m:.4g} (bounded, Lipschitz)")
 
 
+@register_rule("aten.reciprocal", "aten.rsqrt", reads=("self",))
+def inverse_power(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
+    """``1 / z`` and ``1 / sqrt(z)`` of a ``z`` whose entries are provably ``>= m > 0`` (:func:`lower_bound`): bounded
+    by ``1/m`` and ``m^(-1/2)``, with slopes ``1/m^2`` and ``m^(-3/2) / 2``: ``(0, sigma_z)``, a bounded Lipschitz map
+    of ``z`` (docs/theory.md section 2).  That is how a normalization written out (HF's RMSNorm:
+    ``x * rsqrt(mean(x^2) + eps)``) bounds its ``rsqrt`` node, whose value counts in the peak.  Without a proven
+    minimum the op is unbounded near 0: refused."""
+    z = a["self"]
+    m = lower_bound(it, n.args[0] if n.args else None)
+    op = target_name(n).split(".")[-1]
+    if m is None or not m > 0 or not math.isfinite(m):
+        out = unknown(shape, f"{op} of an input-dependent tensor with no proven positive lower bound is outside the "
+                             "certified class (unbounded near 0)")
+        out.sign = "+" if z.sign == "+" else None
+        return out
+    if op == "reciprocal":
+        return reciprocal(z, m, f"reciprocal of an argument >= {m:.4g} (bounded, Lipschitz)")
+    top = m ** -0.5
+    return AValue(exps=E.compose(E.SATURATING, z.exps), shape=tuple(shape), growth=Poly.const(sqrt_last(shape) * top),
+                  max_abs=Poly.const(top), jacobian=None if z.jacobian is None else z.jacobian.scale(0.5 * m ** -1.5),
+                  sign="+", rule=f"rsqrt of an argument >= {m:.4g} (bounded by {top:.4g}, Lipschitz)")
+
+
 @register_rule("aten.div", "aten.divide", "aten.true_divide", reads=("self", "other", "rounding_mode"))
 def div(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
     x, y = a["self"], a["other"]

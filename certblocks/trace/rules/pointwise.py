@@ -205,15 +205,15 @@ def exp(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AVa
     return out
 
 
-@register_rule("aten.log", "aten.log2", "aten.log10", "aten.log1p", "aten.sqrt", "aten.rsqrt", "aten.reciprocal",
-               "aten.tan", "aten.atanh", "aten.logit", "aten.erfinv", "aten.digamma", "aten.lgamma",
+@register_rule("aten.log", "aten.log2", "aten.log10", "aten.log1p", "aten.sqrt", "aten.tan", "aten.atanh",
+               "aten.logit", "aten.erfinv", "aten.digamma", "aten.lgamma",
                reads=("self", "eps"))  # refused whatever the arguments
 def outside(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
     x = first_tensor(a)
     name = op_name(n.target)
     out = unknown(shape, f"{name.split('.')[-1]} of an input-dependent tensor is outside the certified class "
                          "(not Lipschitz or unbounded near a point)")
-    if name in ("aten.sqrt", "aten.rsqrt", "aten.reciprocal") and x is not None and x.sign == "+":
+    if name == "aten.sqrt" and x is not None and x.sign == "+":
         out.sign = "+"
     return out
 
