@@ -149,9 +149,9 @@ def test_certify_reads_a_zoo_model_through_the_spine_and_prints_its_fixes(capsys
     import json
 
     import torch
+    from certblocks.zoo import create_model
 
     from certblocks.model import as_certified
-    from certblocks.zoo import create_model
 
     code, out, err = _cli(capsys, "certify", "mamba_forecaster_free_test", "--dtype", "fp16", "--json")
     assert code == 1 and err == ""
