@@ -1,6 +1,6 @@
 """Depth budgets: from growth exponents and coefficients to overflow depths.
 
-THEORY.md section 3.  A residual stack ``X_{k+1} = X_k + dt * v_k(X_k)`` stays
+docs/theory.md section 3.  A residual stack ``X_{k+1} = X_k + dt * v_k(X_k)`` stays
 finite in a floating-point format with largest finite value ``M`` while
 
 * the forward radius ``R_0 = r0, R_{k+1} = R_k + dt * (c_k R_k^{q_k} + b_k)``
@@ -9,7 +9,7 @@ finite in a floating-point format with largest finite value ``M`` while
   ``log Lip(G) + sum_{k<D} log(1 + dt * L_k(R_k))``, with
   ``L_k(R) = l1_k max(R, 1)^sigma_k + l0_k``, stays below ``log M``.
 
-A whole model also has *maps* between its updates (THEORY.md section 6: a stem,
+A whole model also has *maps* between its updates (docs/theory.md section 6: a stem,
 patch merging, a downsampling block, a scaling): ``X' = m(X)`` with
 ``R' = c_m R^{q_m} + b_m`` and backward factor ``log L_m(R)`` (no ``1 +``, no
 ``dt``).  A map's factor can be below 1, so the costate bound at every segment
@@ -147,7 +147,7 @@ def _check_run(M: float, dt: float, r0: float, lip_g: float) -> Tuple[float, flo
 # ----------------------------------------------------------------------------- the uniform budget
 
 def jacobian_budget(depth: int, dtype: object, dt: float = 1.0, lip_g: float = 1.0) -> float:
-    """The uniform Jacobian budget ``((M / Lip(G))^(1/D) - 1) / dt`` (THEORY.md section 3).
+    """The uniform Jacobian budget ``((M / Lip(G))^(1/D) - 1) / dt`` (docs/theory.md section 3).
 
     A stack of ``depth`` blocks is backward-certified when the Jacobian bound on
     the reachable ball stays strictly below this budget.  With ``Lip(G) = 1``,
@@ -539,7 +539,7 @@ class Overflow:
 
 
 def radius_closed_form(q: float, c: float, b: float, depth: int, *, dt: float = 1.0, r0: float = 1.0) -> float:
-    """Closed-form upper bound of ``R_D`` for a homogeneous stack (THEORY.md section 3).
+    """Closed-form upper bound of ``R_D`` for a homogeneous stack (docs/theory.md section 3).
 
     * ``q < 1``: ``(rbar0^(1-q) + (1-q)(c+b) D dt)^(1/(1-q))``, ``rbar0 = max(r0, 1)``;
     * ``q = 1``: ``(1 + c dt)^D (r0 + b/c) - b/c`` (exact);

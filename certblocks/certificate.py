@@ -34,7 +34,7 @@ from .failures import Failure, head_gradient_failure, locate_failure, suggest_fi
 __all__ = ["BlockCertificate", "Depths", "Failure", "KINDS", "Peak", "StackCertificate", "certify_stack",
            "cross_entropy_gradient", "json_number", "suggest_fix"]
 
-#: Segment kinds of a chain (THEORY.md section 6): ``"update"`` is ``X' = X + dt v(X)``; ``"map"`` is
+#: Segment kinds of a chain (docs/theory.md section 6): ``"update"`` is ``X' = X + dt v(X)``; ``"map"`` is
 #: ``X' = m(X)`` (a stem, patch merging, a scaling: not counted in the depth, ``dt`` does not apply);
 #: ``"block"`` is a residual block whose shortcut is not the identity (a projection shortcut ``P x + f(x)``,
 #: parallel branches ``x + f(x) + g(x)``), certified as one map of its input and counted as an update.
@@ -62,7 +62,7 @@ class Peak:
     A peak whose bound was not derived (a node of a traced graph without a finite bound, a value the
     chain reads at its example, an output of the model it does not bound) is :meth:`unbounded`: its
     bound is the largest float, so it reaches every dtype's ``M`` and a chain holding it is not
-    certified, the failure naming ``what``.  Unknown is never zero (THEORY.md section 6).
+    certified, the failure naming ``what``.  Unknown is never zero (docs/theory.md section 6).
 
     Args:
         q: exponent (``q = 2`` for query-key logits and bilinear gates).
@@ -139,7 +139,7 @@ class BlockCertificate:
             ``"block"`` (a residual block with a non-identity shortcut certified as one map, counted
             as an update); see :data:`KINDS`.
 
-    All coefficients are sound upper bounds in the per-token norm (THEORY.md section 1).
+    All coefficients are sound upper bounds in the per-token norm (docs/theory.md section 1).
     """
 
     q: float | None
@@ -300,7 +300,7 @@ class StackCertificate:
     """Certificate of a finite chain of segments (:func:`certify_stack`).
 
     A plain stack is a chain of residual updates; a whole model adds maps (its stem, patch merging,
-    downsampling) and a head (THEORY.md section 6).
+    downsampling) and a head (docs/theory.md section 6).
 
     Attributes:
         updates: the segments' certificates in order (residual updates, blocks and maps).
@@ -499,7 +499,7 @@ def certify_stack(certs: Sequence[BlockCertificate], dtype: object, *, dt: float
 
     Runs the forward radius recursion (``R_{k+1} = R_k + dt (c_k R_k^{q_k} + b_k)`` for an update,
     ``c_k R_k^{q_k} + b_k`` for a map) and the layerwise backward bound over the segments in order
-    (THEORY.md section 6); boundaries are decided exactly (see :mod:`certblocks.budget`).
+    (docs/theory.md section 6); boundaries are decided exactly (see :mod:`certblocks.budget`).
 
     Args:
         certs: one :class:`BlockCertificate` per segment, in order (kind ``"update"``, ``"map"`` or

@@ -1,4 +1,4 @@
-"""The arithmetic of growth exponents (THEORY.md section 2).
+"""The arithmetic of growth exponents (docs/theory.md section 2).
 
 Every residual velocity ``v`` carries two exponents:
 

@@ -1,7 +1,7 @@
 """Where a chain of segments stops being certified, and what to change: :class:`Failure`, :func:`suggest_fix`.
 
 :func:`locate_failure` reads a finished scan (:func:`certblocks.budget.scan_stack`) and names the failing
-segment (or the head), the kind of failure and a fix in words (THEORY.md section 4).
+segment (or the head), the kind of failure and a fix in words (docs/theory.md section 4).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ __all__ = ["Failure", "suggest_fix", "locate_failure", "head_gradient_failure"]
 
 
 def suggest_fix(cert: BlockCertificate, kind: str) -> str:
-    """A fix in words for a failing update or map (THEORY.md section 4).
+    """A fix in words for a failing update or map (docs/theory.md section 4).
 
     Args:
         cert: the failing segment's certificate.

@@ -1,6 +1,6 @@
 """``CertificateMonitor``: watch a model's certificate while it trains, and warn before it breaks.
 
-A certificate is computed from the current weights, and training moves them (THEORY.md section 5):
+A certificate is computed from the current weights, and training moves them (docs/theory.md section 5):
 in a no-LN GPT-2 that diverged, the query-key coefficient ``kappa`` of one block grew ~40x before
 the blow-up.  The monitor follows, every ``every`` training steps:
 
@@ -51,7 +51,7 @@ A model without certified blocks is watched on data only: its call is kept by a 
   bound is that close to ``M``, log scale); with ``share_alerts=True``, every update whose ``margin_grad``
   (even share) is below ``threshold``;
 * ``kappa`` of an attention update without QK-norm at least ``kappa_growth`` times its value at the
-  first check (default 10x; THEORY.md section 5: ~40x preceded the divergence of a no-LN GPT-2);
+  first check (default 10x; docs/theory.md section 5: ~40x preceded the divergence of a no-LN GPT-2);
 * ``non-finite weights``: a weight holds NaN or inf; the record has ``stack/ok = False`` and ``nonfinite``
   (the message naming the tensors), and the check returns instead of raising: the training loop decides.
 
@@ -489,7 +489,7 @@ class CertificateMonitor:
                 self._emit({"step": step, "update": name, "quantity": "margin_fwd", "value": val,
                             "threshold": self.threshold, "message": msg})
                 break
-        # 4. kappa growth of attention without QK-norm (the early-warning signal of THEORY.md section 5)
+        # 4. kappa growth of attention without QK-norm (the early-warning signal of docs/theory.md section 5)
         if self.kappa_growth is not None:
             for k, name in enumerate(names):
                 kap = rec.get(f"{name}/kappa")

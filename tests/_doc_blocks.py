@@ -1,7 +1,7 @@
 """The code blocks of the project's Markdown files, extracted and run by the tests.
 
-One mechanism for every Markdown file whose examples the tests execute (``docs/*.md`` in
-``tests/test_docs.py``; the README can use it the same way).  A fenced block whose info string is
+One mechanism for every Markdown file whose examples the tests execute (``README.md`` and ``docs/*.md``, in
+``tests/test_docs.py``).  A fenced block whose info string is
 ``python`` is an example: it runs on its own, in a fresh namespace, so it must hold its own imports.
 
 Directives, in an HTML comment on the line(s) before a block (blank lines may sit in between; several
@@ -20,6 +20,10 @@ Blocks run in-process by default (no interpreter start-up): ``exec`` of the bloc
 placed at its line in the Markdown file, so a traceback names the file and the line of the failing
 statement.  torch's global state that an example may touch (default dtype, random generator, number of
 threads) and the warning filters are restored afterwards.
+
+A block must use the current API: a ``DeprecationWarning`` attributed to the block's own lines (a deprecated name or
+call it uses: certblocks' shims point at their caller) or raised inside certblocks is an error, in-process and in a
+subprocess alike.  Third-party deprecations inside third-party code are left to the caller's filters.
 
 This module is plain Python; it imports torch only to save and restore that state, and pytest only in
 :func:`pytest_params`.
@@ -47,6 +51,12 @@ ROOT = Path(__file__).resolve().parents[1]
 _FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`\s]*)[^`]*$")
 _DIRECTIVE = re.compile(r"^\s*<!--\s*doctest:(?P<body>.*?)-->\s*$")
 _SUBPROCESS_TIMEOUT_S = 600
+#: The modules whose DeprecationWarnings fail a block: the block itself (in-process ``__doc_block__``, in a subprocess
+#: ``__main__``) and certblocks.
+_DEPRECATION_MODULES = r"(__doc_block__|__main__|certblocks)(\.|$)"
+#: The first line of a subprocess block (the code starts at line 2 or later: the fence is above it).
+_SUBPROCESS_PRELUDE = ("import warnings as _w; _w.filterwarnings('error', category=DeprecationWarning, "
+                       f"module={_DEPRECATION_MODULES!r}); del _w")
 
 
 class DocBlockError(ValueError):
@@ -197,11 +207,13 @@ def python_blocks(path: Path) -> List[DocBlock]:
 
 @contextlib.contextmanager
 def _restored_state() -> Iterator[None]:
-    """Restore torch's default dtype, random generator and thread count, and the warning filters."""
+    """Restore torch's default dtype, random generator and thread count, and the warning filters; inside, a
+    DeprecationWarning of the block or of certblocks is an error."""
     torch = sys.modules.get("torch")
     saved = None if torch is None else (torch.get_default_dtype(), torch.random.get_rng_state(),
                                          torch.get_num_threads())
     with warnings.catch_warnings():
+        warnings.filterwarnings("error", category=DeprecationWarning, module=_DEPRECATION_MODULES)
         try:
             yield
         finally:
@@ -214,9 +226,10 @@ def _restored_state() -> Iterator[None]:
                     torch.set_num_threads(threads)
 
 
-def _placed(block: DocBlock) -> str:
-    """The code with blank lines in front, so that its line numbers are the Markdown file's."""
-    return "\n" * (block.line - 1) + block.code
+def _placed(block: DocBlock, prelude: str = "") -> str:
+    """The code with blank lines in front, so that its line numbers are the Markdown file's (``prelude`` on the first
+    line, above the block's first line)."""
+    return prelude + "\n" * (block.line - 1) + block.code
 
 
 def _compare(block: DocBlock, out: str) -> None:
@@ -247,11 +260,13 @@ def run_block(block: DocBlock, *, cwd: Optional[Path] = None) -> str:
 
     Raises:
         AssertionError: the block raised (the original exception is chained; in a subprocess, its stderr is
-            in the message) or printed something else than its ``output`` fence.
+            in the message), including a DeprecationWarning of its own or of certblocks, or printed something else
+            than its ``output`` fence.
     """
     if block.subprocess:
-        proc = subprocess.run([sys.executable, "-"], input=_placed(block), text=True, capture_output=True,
-                              cwd=str(cwd or ROOT), env=dict(os.environ), timeout=_SUBPROCESS_TIMEOUT_S)
+        proc = subprocess.run([sys.executable, "-"], input=_placed(block, _SUBPROCESS_PRELUDE), text=True,
+                              capture_output=True, cwd=str(cwd or ROOT), env=dict(os.environ),
+                              timeout=_SUBPROCESS_TIMEOUT_S)
         if proc.returncode != 0:
             raise AssertionError(f"{block.id} (subprocess) exited with {proc.returncode} (line numbers are the "
                                  f"Markdown file's, '<stdin>' is {block.path}):\n{proc.stderr[-6000:]}")

@@ -1,4 +1,4 @@
-"""Chains of segments (THEORY.md section 6): maps between updates, the costate at every boundary, the head.
+"""Chains of segments (docs/theory.md section 6): maps between updates, the costate at every boundary, the head.
 
 The exact twins: forward radii in rational arithmetic (q in {0, 1}), the backward condition in 200-digit
 arithmetic over every boundary j <= D, against :func:`certify_stack`'s depths on random chains.

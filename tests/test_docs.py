@@ -1,6 +1,6 @@
-"""The documentation in docs/: every python block runs on its own and prints what its output fence says; the
-sections that code comments cite exist; relative links resolve.  The block mechanism itself (tests/_doc_blocks.py)
-is tested on small Markdown files written here."""
+"""The documentation, README.md and docs/: every python block runs on its own and prints what its output fence says;
+the README is a front page that links every page; the sections that code comments cite exist; relative links
+resolve.  The block mechanism itself (tests/_doc_blocks.py) is tested on small Markdown files written here."""
 
 from __future__ import annotations
 
@@ -18,17 +18,36 @@ if _HERE not in sys.path:  # the tests are not a package: the shared helper is i
 from _doc_blocks import DocBlock, DocBlockError, pytest_params, python_blocks, run_block  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
+PAGES = [README] + DOCS
+
+#: every page and the python blocks it has at least (each one runs below)
+_EXAMPLES = {"README.md": 4, "theory.md": 10, "kernels.md": 3, "certificates.md": 9, "conversion.md": 7,
+             "training.md": 4, "zoo.md": 2, "cli.md": 1, "testing.md": 3, "matrix.md": 0}
 
 
 def test_docs_exist_and_have_examples():
-    names = {p.name for p in DOCS}
-    assert {"theory.md", "kernels.md"} <= names, names
-    counts = {p.name: len(python_blocks(p)) for p in DOCS}
-    assert counts["theory.md"] >= 10 and counts["kernels.md"] >= 3, counts
+    counts = {p.name: len(python_blocks(p)) for p in PAGES}
+    assert set(_EXAMPLES) <= set(counts), sorted(set(_EXAMPLES) - set(counts))
+    assert all(counts[name] >= n for name, n in _EXAMPLES.items()), counts
 
 
-@pytest.mark.parametrize("block", pytest_params(DOCS))
+def test_readme_is_a_front_page():
+    """At most 250 lines; the two make commands; a certify example with its printed verdict; a link to every page of
+    docs/."""
+    text = README.read_text()
+    assert len(text.splitlines()) <= 250, len(text.splitlines())
+    assert "make demo" in text and "make test" in text
+    certify = text.split("## Certify a model you already have", 1)[1].split("\n## ", 1)[0]
+    blocks = python_blocks(README)
+    first = next(b for b in blocks if b.code.strip() and b.code in certify)
+    assert first.expected and "StackCertificate(" in first.expected, first
+    links = set(re.findall(r"\]\((docs/[^)#\s]+)", text))
+    assert {f"docs/{p.name}" for p in DOCS} <= links, sorted({f"docs/{p.name}" for p in DOCS} - links)
+
+
+@pytest.mark.parametrize("block", pytest_params(PAGES))
 def test_doc_block_runs_on_its_own(block: DocBlock):
     if block.skip:
         pytest.skip(f"{block.id}: {block.skip}")
@@ -41,9 +60,18 @@ def test_doc_block_runs_on_its_own(block: DocBlock):
 # ----------------------------------------------------------------------------- sections and links
 
 _HEADING = re.compile(r"^## (\d+)\. ", re.M)
-#: "docs/theory.md section 3", "docs/theory.md sections 2 and 4", "THEORY.md section 6" (comments written before
-#: the docs moved; their numbers are this page's).
-_CITATION = re.compile(r"(?:docs/theory\.md|THEORY\.md)\s+sections?\s+(\d+)(?:\s*(?:,|and)\s*(\d+))?")
+_SUBHEADING = re.compile(r"^### (\d+\.\d+) ", re.M)
+#: "docs/theory.md section 3", "docs/theory.md section 2.6", "docs/theory.md sections 2 and 4"
+_CITATION = re.compile(r"docs/theory\.md\s+sections?\s+(\d+(?:\.\d+)?)(?:\s*(?:,|and)\s*(\d+(?:\.\d+)?))?")
+_SOURCES = ("certblocks", "kernels", "zoo", "tests", "benchmarks")
+
+
+def _sources():
+    for folder in _SOURCES:
+        for path in (ROOT / folder).rglob("*.py"):
+            if path.is_symlink() or any(p.is_symlink() for p in path.parents if ROOT in p.parents):
+                continue  # certblocks/kernels and certblocks/zoo are links to kernels/ and zoo/
+            yield path
 
 
 def test_theory_sections_are_numbered_in_order():
@@ -52,18 +80,24 @@ def test_theory_sections_are_numbered_in_order():
 
 
 def test_every_cited_theory_section_exists():
-    sections = {int(n) for n in _HEADING.findall((ROOT / "docs" / "theory.md").read_text())}
+    theory = (ROOT / "docs" / "theory.md").read_text()
+    sections = set(_HEADING.findall(theory)) | set(_SUBHEADING.findall(theory))
     cited = {}
-    for folder in ("certblocks", "kernels", "zoo", "tests", "benchmarks"):
-        for path in (ROOT / folder).rglob("*.py"):
-            if path.is_symlink() or any(p.is_symlink() for p in path.parents if ROOT in p.parents):
-                continue  # certblocks/kernels and certblocks/zoo are links to kernels/ and zoo/
-            for m in _CITATION.finditer(path.read_text(encoding="utf-8")):
-                for n in filter(None, m.groups()):
-                    cited.setdefault(int(n), path.relative_to(ROOT))
+    for path in _sources():
+        for m in _CITATION.finditer(path.read_text(encoding="utf-8")):
+            for n in filter(None, m.groups()):
+                cited.setdefault(n, str(path.relative_to(ROOT)))
     assert cited, "no citation of docs/theory.md found: the pattern no longer matches the comments"
-    missing = {n: str(p) for n, p in cited.items() if n not in sections}
-    assert not missing, f"cited sections with no heading '## N.' in docs/theory.md: {missing}"
+    missing = {n: p for n, p in cited.items() if n not in sections}
+    assert not missing, f"cited sections with no heading '## N.' or '### N.M' in docs/theory.md: {missing}"
+
+
+def test_no_source_cites_a_file_outside_the_repository():
+    """The mathematics is cited as docs/theory.md (THEORY.md is the specification's, not the repository's)."""
+    here = Path(__file__).resolve()  # this file names the old citation in its pattern
+    stale = [str(p.relative_to(ROOT)) for p in _sources()
+             if p.resolve() != here and re.search(r"(?<!docs/)THEORY(\.md)?\b", p.read_text(encoding="utf-8"))]
+    assert not stale, f"cite docs/theory.md instead of THEORY.md in {stale}"
 
 
 def _slug(heading: str) -> str:
@@ -77,7 +111,7 @@ def _anchors(path: Path) -> set:
     return {_slug(h) for h in re.findall(r"^#{1,6} (.+)$", text, flags=re.M)}
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=[p.name for p in DOCS])
+@pytest.mark.parametrize("doc", PAGES, ids=[p.name for p in PAGES])
 def test_relative_links_resolve(doc: Path):
     text = re.sub(r"^(```|~~~).*?^\1", "", doc.read_text(), flags=re.M | re.S)
     links = re.findall(r"\]\(([^)\s]+)\)", text)
@@ -227,8 +261,16 @@ def test_a_subprocess_block_reports_its_error(tmp_path):
         run_block(failing)
 
 
-def test_readme_blocks_are_read_by_the_same_mechanism():
-    """The README's python blocks, as the shared mechanism reads them, are the ones its own test runs today."""
-    readme = ROOT / "README.md"
-    simple = re.findall(r"```python\n(.*?)```", readme.read_text(), flags=re.S)
-    assert [b.code for b in python_blocks(readme)] == simple
+@pytest.mark.parametrize("subprocess", [False, True])
+def test_a_deprecated_certblocks_name_fails_the_block(tmp_path, subprocess):
+    """A block that uses a name the API moved (its shim warns with DeprecationWarning) fails, in-process or not;
+    the moved name itself still works outside the runner."""
+    directive = "<!-- doctest: subprocess -->\n" if subprocess else ""
+    path = _md(tmp_path, directive + "```python\nimport certblocks\nprint(certblocks.float_max('fp16'))\n```\n")
+    (block,) = python_blocks(path)
+    with pytest.raises(AssertionError, match="DeprecationWarning|float_max moved"):
+        run_block(block)
+    path = _md(tmp_path, directive + "```python\nfrom certblocks.budget import float_max\nprint(float_max('fp16'))\n"
+                                     "```\n\n```output\n65504.0\n```\n")
+    (block,) = python_blocks(path)
+    run_block(block)

@@ -1,4 +1,4 @@
-"""The exponent algebra (THEORY.md section 2): rules, reference values, properties."""
+"""The exponent algebra (docs/theory.md section 2): rules, reference values, properties."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ with ``C_i = sum_k P_ik (x_k - xbar_i)(x_k - xbar_i)^T``; then ``sum_j P_ij ||x_
 and ``||C_i|| <= R^2`` (the spread of points in a ball).  QK-norm replaces ``W_K^T q_i`` and
 ``W_Q`` by the normalized vectors and the normalizations' Jacobians.
 
-In this norm none of the bounds depends on the sequence length ``n`` (THEORY.md's factor
+In this norm none of the bounds depends on the sequence length ``n`` (docs/theory.md section 2.5's factor
 ``n`` belongs to the Frobenius norm over all tokens); ``seq_len=1`` is used to tighten
 (the block is then linear).  The QK-norm coefficient ``l1`` grows like ``1/sqrt(eps)``: it
 is attained near a query whose projection vanishes (``tests/blocks/test_growth.py``); a

@@ -15,7 +15,7 @@ HF ``transformers`` ``MambaMixer`` load with ``strict=True``.
   output gate is ``sigmoid(z)``.  Then ``delta, B, C`` are bounded, ``h`` and ``y`` are linear in ``x``,
   the gate is bounded: exponents ``(1, 1)``.
 
-Norm convention (THEORY.md): ``||X|| = max_t ||X_t||_2`` (max over tokens of the Euclidean norm of a
+Norm convention (docs/theory.md section 1): ``||X|| = max_t ||X_t||_2`` (max over tokens of the Euclidean norm of a
 token); the Jacobian bound is a bound on the operator norm induced by that norm on input and output.
 """
 

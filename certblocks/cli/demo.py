@@ -12,7 +12,7 @@ from .formatting import format_depth, render_table
 
 __all__ = ["REFERENCE_BLOCKS", "add_arguments", "run_demo"]
 
-#: THEORY.md's derived block exponents.
+#: The derived block exponents of docs/theory.md section 2.6.
 REFERENCE_BLOCKS = (
     ("MLP, Lipschitz activation, no norm", ex.Exponents(1, 0)),
     ("any block with a normalized input (Pre-LN)", ex.compose(ex.Exponents(1, 2), ex.NORM)),
@@ -54,7 +54,8 @@ def run_demo(dtypes: Sequence[str] = ("fp16", "bf16", "fp32")) -> int:
     print("== Forward overflow depth D*_F (first depth at which the radius bound reaches M), c = dt = r0 = 1, b = 0")
     print(forward_table_text())
     print()
-    print("== Reference blocks (THEORY.md): exponents and certified depth D_cert of a homogeneous stack")
+    print("== Reference blocks (docs/theory.md section 2.6): exponents and certified depth D_cert of a "
+          "homogeneous stack")
     print("   at unit coefficients c = l1 = l0 = 1, b = 0, dt = r0 = Lip(G) = 1")
     header = ["block", "(q, sigma)"] + [f"D_cert {d}" for d in dtypes]
     rows = []

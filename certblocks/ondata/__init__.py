@@ -1,4 +1,4 @@
-"""The on-data certificate: the paper's trajectory bound (T) on a real batch (THEORY.md sections 5 and 6).
+"""The on-data certificate: the paper's trajectory bound (T) on a real batch (docs/theory.md sections 5 and 6).
 
 The worst-case certificate holds for every input in a ball and is far above what happens on data.
 :func:`trajectory` evaluates the backward chain along the batch's actual states,

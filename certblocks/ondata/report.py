@@ -4,7 +4,7 @@ Figures (``M`` the dtype's largest finite value, logs natural: headroom in nats)
 
 * forward: the largest per-token norm of every state ``X_0 .. X_D`` and the largest ``|entry|`` of every
   intermediate (:attr:`UpdateTrajectory.peak`); ``forward_headroom = log M - log(max of them)``;
-* backward, the member (T) of the paper's chain (THEORY.md section 6), per sample ``s`` and maximized over the
+* backward, the member (T) of the paper's chain (docs/theory.md section 6), per sample ``s`` and maximized over the
   batch factor by factor: ``log ||p_0|| <= log ||p_D|| + sum_k log(||P_k|| + dt ||Dv_k(X_k)||)`` (a map: ``log
   ||Dm_k(X_k)||``); ``backward_headroom = log M - log_gradient_bound``;
 * ``headroom = min(forward_headroom, backward_headroom)``: negative when the batch overflows the dtype;

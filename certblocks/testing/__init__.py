@@ -1,7 +1,7 @@
 """Counterexample search against a certificate: the soundness harness of certblocks.
 
 A :class:`~certblocks.certificate.BlockCertificate` makes three promises about a velocity ``v``, for
-every state ``x`` (THEORY.md sections 1 and 6):
+every state ``x`` (docs/theory.md sections 1 and 6):
 
 * **growth**: ``||v(x)|| <= c ||x||^q + b``;
 * **Jacobian**: ``||dv(x)|| <= l1 max(R, 1)^sigma + l0`` whenever ``||x|| <= R``;

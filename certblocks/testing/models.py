@@ -1,4 +1,4 @@
-"""The counterexample search against a whole model's certificate (THEORY.md section 6).
+"""The counterexample search against a whole model's certificate (docs/theory.md section 6).
 
 A :class:`~certblocks.certificate.StackCertificate` of a model (``certify(model, x).stack(dtype, r0=...)``)
 promises, for every input of per-token norm at most ``r0`` (any token ids for an integer input):

@@ -1,4 +1,4 @@
-"""The tracer: certify any ``nn.Module`` from its graph (THEORY.md sections 2 and 4).
+"""The tracer: certify any ``nn.Module`` from its graph (docs/theory.md sections 2 and 4).
 
 ``certify(module, example_input)`` captures the module with ``torch.export`` (aten level), applies
 one rule per op and the atom recognizers, finds the residual updates ``X + f(X)`` and returns

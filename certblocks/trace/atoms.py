@@ -1,6 +1,6 @@
 """Atoms: sub-graphs collapsed into one primitive with known exponents.
 
-The per-op rules give upper bounds that can be loose (THEORY.md section 2): a GELU written
+The per-op rules give upper bounds that can be loose (docs/theory.md section 2): a GELU written
 out with ``tanh`` and ``x**3`` reads ``(1, 3)`` by the rules although GELU is Lipschitz.  An
 atom replaces such a sub-graph by a primitive whose exponents are known.
 

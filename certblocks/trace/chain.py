@@ -1,4 +1,4 @@
-"""A model as a chain of segments: stem, residual updates, maps between them, head (THEORY.md section 6).
+"""A model as a chain of segments: stem, residual updates, maps between them, head (docs/theory.md section 6).
 
 A certificate that chains only the residual updates is unsound: a map between two updates (patch
 merging, a downsampling block, a x1e30 scaling), the stem before them and the head after them all
@@ -18,7 +18,7 @@ until it is a function of its input; merging never drops a dependency, so every 
 holds for every input.  Inputs that are not on the stream (an attention mask given as a second
 argument) are read at their example value, and the chain says so in its notes.
 
-Unknown is never zero (THEORY.md section 6).  Every output of the model is in the chain: the one the head
+Unknown is never zero (docs/theory.md section 6).  Every output of the model is in the chain: the one the head
 ends at, the stream's states and the values inside a segment are bounded by the segments; any other output
 (a second head, a router's logits, ``1e30 * x``) is an ``"output"`` segment from the last stream node it is
 a function of, whose bound the :class:`~certblocks.trace.report.ModelCertificate` folds into that segment's

@@ -1,7 +1,7 @@
 """The abstract interpreter: walks a velocity's graph and dispatches each node to its rule.
 
 :class:`VelocityInterpreter` walks the nodes of a velocity ``x -> v(x)`` in topological order
-and gives each an :class:`~certblocks.trace.values.AValue`: exponents by the rules of THEORY.md,
+and gives each an :class:`~certblocks.trace.values.AValue`: exponents by the rules of docs/theory.md section 2,
 and sound bounds on its row norm, max-abs and Jacobian (see :mod:`certblocks.trace.values`).
 Nodes that do not depend on ``x`` are constants: their concrete values (from one run of the
 graph on the example input) give exact norms and signs.  Sub-graphs of a registered module atom,

@@ -25,7 +25,8 @@ def _fmt(x: Optional[float]) -> str:
 
 
 class Unbounded(str):
-    """A note naming a value of the model that its chain does not bound (THEORY.md section 6: unknown is never zero).
+    """A note naming a value of the model that its chain does not bound (docs/theory.md section 6: unknown is never
+    zero).
 
     It reads as the note's text; :meth:`ModelCertificate.stack` is not certified while it stands: the segment it
     belongs to gets an unbounded peak (:meth:`~certblocks.certificate.Peak.unbounded`) that names it.
@@ -78,7 +79,7 @@ class TraceCertificate:
             upper bounds in the per-token norm; :data:`NOT_DERIVED` when no finite bound was derived).
         culprit: the node (and module) responsible for the exponents, with the reason.
         culprit_node: that node's name in the exported graph.
-        suggestion: a fix in words (THEORY.md section 4).
+        suggestion: a fix in words (docs/theory.md section 4).
         nodes: the per-node table, in topological order.
         coefficients_derived: whether c, b, l1, l0 are finite derived bounds.
         input_node, output_node: the graph nodes of the velocity's input and output.
@@ -151,7 +152,7 @@ class TraceCertificate:
 
 @dataclass
 class ModelCertificate:
-    """A model's certificate: its chain of segments from input to output (THEORY.md section 6).
+    """A model's certificate: its chain of segments from input to output (docs/theory.md section 6).
 
     Attributes:
         updates: one :class:`TraceCertificate` per residual update ``X + f(X)`` (the velocity ``f``) or
@@ -370,7 +371,7 @@ def _refused(cert: BlockCertificate, why: str) -> BlockCertificate:
 
 def _with_output(cert: BlockCertificate, out: TraceCertificate) -> BlockCertificate:
     """``cert``'s peak raised over a model output computed from the same input: the output's norm bound and its own
-    peak, both functions of that input's radius (THEORY.md section 6)."""
+    peak, both functions of that input's radius (docs/theory.md section 6)."""
     oc = out.certificate
     label = f"output {out.output_node} of the model"
     if cert.peak is None or not cert.peak.derived:

@@ -1,13 +1,13 @@
 """Abstract values: what the tracer knows about one tensor of a velocity's graph.
 
-For a velocity ``v`` with input ``x`` (per-token norm ``||x||``, THEORY.md section 1), every
+For a velocity ``v`` with input ``x`` (per-token norm ``||x||``, docs/theory.md section 1), every
 intermediate tensor ``t`` gets an :class:`AValue`.  Its bounds are
 :class:`~certblocks.bounds.poly.Poly` in the radius ``r = ||x||``:
 
 ==================  ==========================================================================
 field               meaning
 ==================  ==========================================================================
-``exps``            growth exponents ``(q, sigma)`` of ``x -> t`` by the rules of THEORY.md section 2
+``exps``            growth exponents ``(q, sigma)`` of ``x -> t`` by the rules of docs/theory.md section 2
 ``shape``           the tensor's shape
 ``growth``          ``N(t) <= growth(||x||)``: bound of the row norm (``None``: not derived)
 ``max_abs``         ``max_i |t_i| <= max_abs(||x||)``: bound of every entry (``None``: not derived)

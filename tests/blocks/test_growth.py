@@ -1,4 +1,4 @@
-"""Measured exponents: growth along rays, and the Jacobian on the tied-logit cone (THEORY.md section 2)."""
+"""Measured exponents: growth along rays, and the Jacobian on the tied-logit cone (docs/theory.md section 2)."""
 
 from __future__ import annotations
 
@@ -98,7 +98,8 @@ def test_qk_norm_attention_slope_at_most_1_on_tied_cone():
 
 
 def test_generic_ray_reads_sigma_low():
-    """Along a generic ray the softmax saturates: a measured slope is a lower bound only (THEORY.md)."""
+    """Along a generic ray the softmax saturates: a measured slope is a lower bound only (docs/theory.md section
+    2.5)."""
     torch.manual_seed(1)
     attn = Attention(6, 1, bias=False).double()
     with torch.no_grad():

@@ -2,8 +2,8 @@
 
 The spectral convolution keeps the first ``modes`` Fourier coefficients, mixes channels with complex weights
 and writes the result into a zero spectrum by slice assignment, which ``torch.export`` turns into
-``copy`` + ``slice_scatter``; ``irfft`` returns to the grid.  THEORY.md: FNO layer GELU o (K + W) is (1, 0),
-and (0, 0) with a LayerNorm on its input.
+``copy`` + ``slice_scatter``; ``irfft`` returns to the grid.  docs/theory.md section 2.6: FNO layer GELU o (K + W) is
+(1, 0), and (0, 0) with a LayerNorm on its input.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The tracer on plain-torch modules written here: THEORY.md's table of derived blocks, and soundness.
+"""The tracer on plain-torch modules written here: docs/theory.md section 2.6's table of derived blocks, and soundness.
 
 Every module below is written with ordinary torch code (not certblocks blocks); the tracer
 derives its exponents from the exported graph.  The soundness tests search random and
@@ -85,7 +85,7 @@ class LoopMamba(nn.Module):
     """A Mamba block written with an explicit time loop (mamba-ssm's layout, plain torch).
 
     ``linear_growth=True``: the parameter branch reads x/||x|| (per token) and the gate is a
-    sigmoid -- THEORY.md's linear-growth Mamba, same weights.
+    sigmoid -- docs/theory.md section 2.6's linear-growth Mamba, same weights.
     """
 
     def __init__(self, d: int = 4, expand: int = 2, N: int = 3, rank: int = 2, linear_growth: bool = False) -> None:

@@ -1,4 +1,5 @@
-"""Unknown is never zero (issue 31, THEORY.md section 6): every place where a bound may be unknown, and the outcome.
+"""Unknown is never zero (issue 31, docs/theory.md section 6): every place where a bound may be unknown, and the
+outcome.
 
 ``PLACES`` lists each place where a bound of a chain may be missing -- a segment's exponents or peak, the stem's,
 the head's, an output of the model other than the head's, token ids used as numbers, an integer value computed from

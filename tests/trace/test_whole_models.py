@@ -1,4 +1,4 @@
-"""Whole-model certificates against the counterexample search (THEORY.md section 6).
+"""Whole-model certificates against the counterexample search (docs/theory.md section 6).
 
 For each model the search (:func:`certblocks.testing.search_model`) tries to beat the fp32 stack
 certificate: the output, every intermediate, the gradient in the input (float inputs), the state and the

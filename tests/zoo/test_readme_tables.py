@@ -1,47 +1,85 @@
-"""The README's zoo tables: one row per registered model, in the generator's format and with its verdict.
+"""The zoo's tables: README.md (fp16, bf16) and docs/zoo.md (fp16, bf16, fp32), one row per registered model, in the
+generator's format and with its verdict.
 
-Regenerating every row certifies every full-size model (slow); here the generator runs on the test sizes,
-and the README's rows are checked against the registry (names, families) and the generator's row format.
+The fast tests check the rows against the registry (names, families), the generator's row format (the generator run
+on the test sizes), the two pages against each other, and that every certified model says yes in bf16.  Regenerating
+every row certifies every full-size model: the slow test compares both pages with `certblocks zoo --markdown`.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Dict, List, Tuple
 
 import pytest
 
 pytest.importorskip("timm")
-from certblocks.zoo import list_models, model_entry  # noqa: E402
-
+from certblocks import zoo  # noqa: E402  (the package, not certblocks.zoo: one import order in and out of a checkout)
 from certblocks.cli.zoo import zoo_table  # noqa: E402
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-ROW = re.compile(r"^\| (\w+) \| (\w+) \| (\d+) \| ([^|]+) \|( (?:yes|NO) \d+/\d+ \|){3}$")
+ROOT = Path(__file__).resolve().parents[2]
+#: page -> the dtypes of its zoo table (the README shows two, docs/zoo.md every one the generator prints by default)
+PAGES: Dict[Path, Tuple[str, ...]] = {ROOT / "README.md": ("fp16", "bf16"),
+                                      ROOT / "docs" / "zoo.md": ("fp16", "bf16", "fp32")}
 
 
-def _rows() -> dict:
+def _row(n: int) -> re.Pattern[str]:
+    return re.compile(r"^\| (\w+) \| (\w+) \| (\d+) \| ([^|]+) \|((?: (?:yes|NO) \d+/\d+ \|)" + f"{{{n}}})$")
+
+
+def _rows(page: Path) -> Dict[str, Tuple[str, int, List[str], str]]:
+    """name -> (family, depth, verdicts, line) of every zoo row of the page."""
+    row = _row(len(PAGES[page]))
     out = {}
-    for line in README.read_text().splitlines():
-        m = ROW.match(line)
+    for line in page.read_text().splitlines():
+        m = row.match(line)
         if m:
-            out[m.group(1)] = (m.group(2), int(m.group(3)), line)
+            assert m.group(1) not in out, f"{page.name}: two rows for {m.group(1)}"
+            out[m.group(1)] = (m.group(2), int(m.group(3)), [v.strip() for v in m.group(5).split("|") if v.strip()],
+                               line)
     return out
 
 
-def test_readme_has_one_row_per_model_with_its_family():
-    rows = _rows()
-    assert sorted(rows) == list_models()
-    for name, (family, _depth, _) in rows.items():
-        assert model_entry(name).family == family, name
+def _header(page: Path) -> str:
+    return "| model | family | D | (q, sigma) | " + " | ".join(PAGES[page]) + " |"
 
 
-def test_generator_rows_have_the_readme_format_and_the_certified_defaults_say_yes():
-    table = zoo_table(["gpt2_qknorm_test", "certblocks_vit_test"], markdown=True)
-    lines = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| model")]
-    assert len(lines) == 2 and all(ROW.match(line) for line in lines), lines
-    rows = _rows()
-    for name, entry in ((n, model_entry(n)) for n in rows):
-        verdict_bf16 = rows[name][2].split("|")[6].strip()
-        if not entry.baseline:  # every certified zoo model is certified at its defaults in bf16
-            assert verdict_bf16.startswith("yes"), (name, verdict_bf16)
+@pytest.mark.parametrize("page", list(PAGES), ids=[p.name for p in PAGES])
+def test_page_has_one_row_per_model_with_its_family(page):
+    rows = _rows(page)
+    assert sorted(rows) == zoo.list_models(), page.name
+    for name, (family, _depth, _verdicts, _) in rows.items():
+        assert zoo.model_entry(name).family == family, (page.name, name)
+    assert _header(page) in page.read_text().splitlines(), f"{page.name}: no table header {_header(page)!r}"
+
+
+def test_the_readme_rows_are_the_docs_rows_for_their_dtypes():
+    readme, docs = (_rows(p) for p in PAGES)
+    for name, (family, depth, verdicts, _) in readme.items():
+        assert (family, depth, verdicts) == (docs[name][0], docs[name][1], docs[name][2][:2]), name
+
+
+def test_generator_rows_have_the_pages_format_and_the_certified_defaults_say_yes():
+    for page, dtypes in PAGES.items():
+        table = zoo_table(["gpt2_qknorm_test", "certblocks_vit_test"], dtypes, markdown=True)
+        lines = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| model")]
+        assert len(lines) == 2 and all(_row(len(dtypes)).match(line) for line in lines), lines
+        assert table.splitlines()[0] == _header(page)
+        for name, (_, _, verdicts, _) in _rows(page).items():
+            if not zoo.model_entry(name).baseline:  # every certified zoo model is certified at its defaults in bf16
+                assert verdicts[1].startswith("yes"), (page.name, name, verdicts)
+
+
+@pytest.mark.slow
+def test_the_pages_are_what_the_generator_prints_today():
+    """Every full-size model certified again (about 15-30 s on 2 cores): `certblocks zoo --markdown` is the source of
+    both tables (README: `--dtype fp16,bf16`)."""
+    table = zoo_table(zoo.list_models(), ("fp16", "bf16", "fp32"), markdown=True)
+    generated = {line.split("|")[1].strip(): line for line in table.splitlines()[2:]}
+    for page, dtypes in PAGES.items():
+        for name, (*_, line) in _rows(page).items():
+            want = generated[name]
+            if len(dtypes) == 2:  # the README drops the last column
+                want = want.rsplit("|", 2)[0] + "|"
+            assert line == want, f"{page.name} is stale for {name}: regenerate with `certblocks zoo --markdown`"

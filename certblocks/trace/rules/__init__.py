@@ -1,4 +1,4 @@
-"""The tracer's per-op rules (THEORY.md section 2), one module per family, registered by op name.
+"""The tracer's per-op rules (docs/theory.md section 2), one module per family, registered by op name.
 
 Importing this package registers every rule with :func:`register_rule`, each with what it reads of its
 ops' schemas; the interpreter finds them with :func:`rule_for` and checks each call with :func:`check_call`

@@ -1,6 +1,6 @@
 """Arithmetic rules: add/sub (the sum rule), mul (the product rule), div, where.
 
-A product of two input-dependent tensors adds their exponents (THEORY.md section 2); a division by one
+A product of two input-dependent tensors adds their exponents (docs/theory.md section 2); a division by one
 is outside the class unless it is recognized as a normalization (``x * rsqrt(mean(x^2) + eps)``,
 ``x / ||x||``, ...) or a softmax written as ``exp(z) / sum(exp(z))``.
 """

@@ -2,7 +2,7 @@
 
 A softmax is row-stochastic: bounded (``q = 0``) and its rows are probability vectors, which the
 matmul rule uses (``N(P @ V) <= N(V)``).  Fused attention is an atom: ``q = q_V`` and
-``sigma = max(sigma_logits + q_V, sigma_V)`` (THEORY.md section 2).
+``sigma = max(sigma_logits + q_V, sigma_V)`` (docs/theory.md section 2).
 """
 
 from __future__ import annotations

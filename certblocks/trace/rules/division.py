@@ -4,7 +4,7 @@ A division by an input-dependent tensor ``d`` is outside the class in general (`
 ``d = 0``).  When every entry of ``d`` is provably ``>= m > 0`` for every input (linear attention's
 ``num / (sum of non-negative terms + eps)``), the reciprocal ``r = 1/d`` is bounded, ``|r| <= 1/m``, and
 ``|dr| = |dd| / d^2 <= |dd| / m^2`` entrywise: ``r`` has exponents ``(0, sigma_d)`` (a bounded Lipschitz map of
-``d``), and ``num / d = num * r`` follows the product rule of THEORY.md section 2.
+``d``), and ``num / d = num * r`` follows the product rule of docs/theory.md section 2.
 
 :func:`lower_bound` proves the minimum from the graph: constants (their smallest entry), values with a
 proven sign ``"+"`` (minimum 0), sums ``a + alpha b`` (``alpha >= 0``), clamps and maxima from below, positive

@@ -1,6 +1,6 @@
 """Normalization rules: layer/RMS/group/batch norm, and the recognizer of normalizations written out.
 
-A normalization is a primitive at ``(0, 0)`` (THEORY.md section 2): ``N o B`` is at ``(0, sigma_B)``
+A normalization is a primitive at ``(0, 0)`` (docs/theory.md section 2): ``N o B`` is at ``(0, sigma_B)``
 whatever ``B``'s growth.  LayerNorm and RMSNorm read their output and Jacobian bounds from
 :func:`certblocks.bounds.normalization.norm_bounds`.  :func:`recognize_norm` finds the same map written
 with elementary ops (``x * rsqrt(mean(x^2) + eps)``, ``x / sqrt(var + eps)`` after centring,

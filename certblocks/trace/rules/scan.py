@@ -2,7 +2,7 @@
 
 ``h_t = exp(delta_t A) h_{t-1} + delta_t B_t u_t``, ``y_t = C_t h_t (+ D u_t)``, gated by ``sigmoid(z)``
 or ``SiLU(z)``.  With ``A`` a constant ``<= 0`` and ``delta >= 0`` (after its bias and softplus)
-``exp(delta A)`` is bounded; the exponents follow from THEORY.md section 2 (the plain Mamba block is
+``exp(delta A)`` is bounded; the exponents follow from docs/theory.md section 2 (the plain Mamba block is
 at ``q = 5``), the coefficients from max-abs bounds of the recurrence over the ``L`` steps.
 """
 
