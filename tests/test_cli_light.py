@@ -65,3 +65,14 @@ def test_unknown_models_are_answered_without_importing_torch():
     got = probe(["certify", "gpt2_qknorm_tini"], ["convert", "resnet50"], ["certify", "hf:gtp2"],
                 ["trajectory", "timm-vit_tiny"])
     assert got == {"codes": [2, 2, 2, 2], "loaded": []}
+
+
+def test_a_closed_pipe_is_not_a_bug():
+    """``certblocks zoo --names-only | head -1``: the reader closes the pipe; the command stops quietly, status 0."""
+    proc = subprocess.Popen([sys.executable, "-m", "certblocks", "zoo", "--names-only"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline()
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err.decode()
+    assert b"internal error" not in err and b"Traceback" not in err, err.decode()

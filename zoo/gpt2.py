@@ -116,7 +116,7 @@ class GPT2QKNorm(ZooModel):
         qk_norm_eps: the QK-norm's ``eps``.
         init_values: the initial value of the branch gains ``ls1.gamma`` / ``ls2.gamma`` (learnable, per channel;
             ``None``: no gains, the update is ``x + v(x)``).  The default certifies every size of the zoo in bf16 at
-            initialization (README, "Certified by default").
+            initialization (docs/zoo.md, "Certified by default").
         certify: refuse (``CertificationError``) a configuration not certified in ``cert_dtype``.
         cert_dtype: the certification dtype (default ``"bf16"``).
         device, dtype: as for torch layers.

@@ -48,7 +48,7 @@ __all__ = ["CertifiedViTBlock", "CertifiedVisionTransformer"]
 
 #: The branch gains' initial value (timm's ``init_values``) of the class, ViT-B's: the largest power of ten that
 #: certifies ViT-B in bf16 at initialization (it certifies up to 3.2e-3); ViT-Ti and ViT-S register 1e-2 (they
-#: certify up to 0.07 and 0.016), which trains better (README, "Certified by default").
+#: certify up to 0.07 and 0.016), which trains better (docs/zoo.md, "Certified by default").
 INIT_VALUES = 1e-3
 #: The QK-norm's ``eps`` (timm's RMSNorm default).
 QK_NORM_EPS = 1e-6

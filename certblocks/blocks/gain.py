@@ -9,7 +9,7 @@ branch's with every coefficient times ``g``::
 
 and the peak (every entry the branch computes, then ``gamma * v``) is the branch's, times ``g`` when
 ``g > 1``.  A small ``init_values`` thus buys depth exactly as a small ``dt`` does: the backward bound of
-each update is ``log(1 + g (l0 + l1 R))``, which shrinks with ``g`` (README, "Certified by default").
+each update is ``log(1 + g (l0 + l1 R))``, which shrinks with ``g`` (docs/zoo.md, "Certified by default").
 
 :class:`ScaledBranch` is the velocity ``gain(branch(x))`` of an update whose branch and gain are two
 children of one block (timm's ``blk.attn`` and ``blk.ls1``): a view built by a model's

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import traceback
 from typing import Any, Dict, Optional, Sequence, Tuple
@@ -134,6 +135,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print(f"certblocks {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # the reader closed the pipe (`certblocks zoo | head`): not an error of ours
+        try:  # stdout is gone: point it at devnull so that the interpreter's final flush does not fail again
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 0
     except Exception:  # a bug: keep the traceback for the report, and say so in the last line
         traceback.print_exc()
         print(f"certblocks {args.command}: internal error (a bug; please report it with the traceback above)",
