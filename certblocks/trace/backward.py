@@ -418,6 +418,18 @@ class _SegmentPass:
                                for i in range(k)]
             else:
                 out[n.name] = self._merge([c for c in cands if isinstance(c, AValue)])
+        for o, (call, cert) in self.it.certified_calls.items():  # every entry inside a call is within its peak
+            y = out.get(call.input.name)
+            inner = call_bounds(cert, y.growth, Poly.const(1.0)).inner if isinstance(y, AValue) else None
+            top = _eval(inner, self.radius)
+            if top is None:
+                continue
+            for m in call.members - {o}:
+                v = out.get(m)
+                if isinstance(v, AValue) and not v.const:
+                    e = _eval(v.entry_bound(), self.radius)
+                    if e is None or top < e:
+                        out[m] = dataclasses.replace(v, max_abs=Poly.const(top))
         return out
 
     def _merge(self, avs: List[Any]) -> Any:
@@ -841,7 +853,7 @@ def _divide(it: Any, n: torch.fx.Node, args: Dict[str, Any], shape: Tuple[int, .
     x, y = args["self"], args["other"]
     inv = _inverse(it, n.args[1], y)
     if isinstance(inv, str):
-        return None
+        return AValue.unknown(tuple(shape), "div", inv)
     if not isinstance(y, AValue):
         return multiply(n, x, 1.0 / y, shape)
     return multiply(n, x, inv, shape)
@@ -1108,8 +1120,8 @@ def max_loss_scale(model: nn.Module, example_input: Any, *, r0: Optional[float] 
         model: the model (in eval mode: dropout off).
         example_input: a batch (tensor, tuple of arguments or dict of keyword arguments); the bounds hold for inputs
             of its shapes.
-        r0: the bound on the input's per-token norm (not needed for token ids; default: ``model.input_radius()`` when
-            the model has one).
+        r0: the bound on the input's per-token norm, the Euclidean norm along its last dimension (not needed for token
+            ids; a zoo model's ``input_radius()`` is the bound after its stem, not this one).
         loss: ``"cross_entropy"``, ``"mse"``, ``None`` or a number (as :meth:`ModelCertificate.stack`).
         loss_rows: the number of rows the loss's mean runs over (default: every row of the output).
         autocast_dtype: the autocast dtype (``None``: no autocast, each tensor in its own dtype).
@@ -1119,7 +1131,7 @@ def max_loss_scale(model: nn.Module, example_input: Any, *, r0: Optional[float] 
         target_radius: bound on the targets' per-token norm, for ``loss="mse"``.
 
     Raises:
-        ValueError: a float input without ``r0`` and no ``input_radius``; the model is not one chain.
+        ValueError: a float input without ``r0``; the model is not one chain.
     """
     import contextlib
 
@@ -1138,12 +1150,10 @@ def max_loss_scale(model: nn.Module, example_input: Any, *, r0: Optional[float] 
         raise ValueError(f"{type(model).__name__} is not one chain of segments: its gradients are not bounded")
     mc = _certify_chain(g, chain, type(model).__name__)
     if r0 is None:
-        if mc.integer_input:
-            r0 = 1.0
-        elif callable(getattr(model, "input_radius", None)):
-            r0 = float(model.input_radius())
-        else:
-            raise ValueError(f"r0 is needed for {type(model).__name__}: a bound on its input's per-token norm")
+        if not mc.integer_input:
+            raise ValueError(f"r0 is needed for {type(model).__name__}: a bound on its input's per-token norm (the "
+                             "Euclidean norm along the input's last dimension; token ids need none)")
+        r0 = 1.0
     stack = mc.stack("fp32", r0=r0, loss=loss, target_radius=target_radius)
     grads = model_gradient_bounds(g, stack, loss=loss if isinstance(loss, str) or loss is None else None,
                                   loss_rows=loss_rows, dtypes=dtypes)

@@ -321,6 +321,27 @@ def test_unknown_op_is_named_and_never_zero():
     assert not up.known and "sqrt" in up.why, up
 
 
+def test_unbounded_local_derivative_refuses_the_loss_scale():
+    """x / ||x|| without eps is bounded forward but its derivative is not (1 / ||x|| near 0): every fp16 gradient
+    upstream is unbounded, and no loss scale is certified; the reason names the division."""
+
+    class NormUpdate(nn.Module):
+        def __init__(self, d: int = 16) -> None:
+            super().__init__()
+            self.stem, self.f, self.head = nn.Linear(4, d), nn.Linear(d, d), nn.Linear(d, 5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.stem(x)
+            x = x + self.f(x / x.norm(dim=-1, keepdim=True))
+            return self.head(x)
+
+    ls = max_loss_scale(NormUpdate().eval(), torch.randn(2, 3, 4), r0=2.0)
+    assert not ls.certified and ls.value == 0.0 and not ls.safe_unscaled and ls.grad_scaler_above
+    assert "aten.div" in ls.reason and "lower bound" in ls.reason, ls.reason
+    with pytest.raises(ValueError, match="r0"):
+        max_loss_scale(NormUpdate().eval(), torch.randn(2, 3, 4))
+
+
 # ------------------------------------------------------------------------------------------------ whole models
 class Stack(nn.Module):
     """A stem, two residual updates and a linear head of gain ``head_gain`` (a large gain: large gradients)."""
