@@ -478,3 +478,21 @@ def test_zoo_gpt2_test_amp_fp16():
     for x, t in zip(xs[:2], ts[:2]):
         grads = autograd_gradients(g, (x,), _ce(t, ls.value), autocast_dtype=torch.float16)
         assert all(bool(torch.isfinite(v).all()) for v in grads.values())
+
+
+def test_zoo_vit_test_amp_fp16():
+    """The zoo's ViT (test size) under CPU autocast fp16: the patch embedding's conv, the class token's cat and the
+    position embedding's add (parameters) and every activation within their bounds for random images."""
+    from certblocks.zoo import create_model
+
+    m = create_model("certblocks_vit_test").eval()
+    gen = torch.Generator().manual_seed(0)
+    r0 = math.sqrt(32)  # a row of 32 pixels in [-1, 1]
+    imgs = [torch.rand(2, 3, 32, 32, generator=gen) * 2 - 1 for _ in range(4)]
+    g, mg = _model(m, imgs[0], r0, torch.float16)
+    assert all(ng.bound.known for ng in mg.gradients if ng.dtype == torch.float16)
+    names = {ng.name for ng in mg.gradients if ng.kind == "parameter"}
+    assert any("cls_token" in n for n in names) and any("pos_embed" in n for n in names)
+    ts = [torch.randint(0, 10, (2,), generator=gen) for _ in imgs]
+    worst = _check_model(g, mg, imgs, ts, torch.float16, 1e-2)
+    assert any("patch_embed" in k for k in worst)
