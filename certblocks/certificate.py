@@ -10,6 +10,10 @@
 
 All three render as text (``str``/``explain``) and JSON (``to_dict``/``to_json``).  Where a chain
 fails and the fix in words live in :mod:`certblocks.failures` (re-exported here).
+
+A chain is certified for a dtype or a precision policy (:mod:`certblocks.precision`, docs/theory.md section 7):
+under a mixed policy each value is checked against the ``M`` of the dtype it is held in
+(:attr:`BlockCertificate.peaks`, read from the graph captured under the policy).
 """
 
 from __future__ import annotations

@@ -295,3 +295,29 @@ def test_cli_dtype_lists():
         dtype_list("amp-fp17")
     with pytest.raises(argparse.ArgumentTypeError, match="not supported"):
         pure_dtype_list("amp-fp16")
+
+
+class _TwoOutputs(nn.Module):
+    """Two updates and a second output ``aux`` (weights x 1e5) computed from the state between them."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.head, self.aux = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, 3), nn.Linear(d, 3)
+        with torch.no_grad():
+            self.aux.weight.mul_(1e5)
+
+    def forward(self, x: torch.Tensor):
+        x = x + self.fc1(torch.tanh(x))
+        y = self.aux(torch.tanh(x))
+        x = x + self.fc2(torch.tanh(x))
+        return self.head(torch.tanh(x)), y
+
+
+def test_a_second_output_counts_in_its_dtype_and_another_policy_falls_back():
+    torch.manual_seed(0)
+    rep = certblocks.certify(_TwoOutputs().eval(), torch.randn(2, 4, 8), precision="amp-fp16")
+    amp = rep.stack("amp-fp16", r0=1.0)
+    assert not amp.ok and "output" in amp.first_failure.reason and "fp16" in amp.first_failure.reason
+    assert rep.stack("bf16", r0=1.0).ok  # the same values in bf16's range
+    other = rep.stack("amp-bf16", r0=1.0)  # captured under amp-fp16: the dtypes are not known for amp-bf16
+    assert other.ok and other.notes and "captured without the policy" in other.notes[0]

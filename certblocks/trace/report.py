@@ -326,7 +326,9 @@ class ModelCertificate:
         segs = self.all_segments()
         n_maps = len(segs) - len(self.updates)
         out = [f"{self.model}: {len(self.updates)} residual updates"
-               + (f", {n_maps} other segments (stem, maps, head)" if n_maps else "")]
+               + (f", {n_maps} other segments (stem, maps, head)" if n_maps else "")
+               + (f"; captured under {self.precision} (each value's dtype read from the graph)" if self.precision
+                  else "")]
         w = max([len(u.name) for u in segs] + [6])
         for k, u in enumerate(segs):
             c = u.certificate
@@ -344,6 +346,7 @@ class ModelCertificate:
 
     def to_dict(self) -> Dict[str, Any]:
         return {"model": self.model, "strict": self.strict, "depth": len(self.updates), "chained": self.chained,
+                "precision": self.precision,
                 "integer_input": self.integer_input, "notes": list(self.notes),
                 "stem": None if self.stem is None else self.stem.to_dict(),
                 "segments": [u.to_dict() for u in self.segments],
