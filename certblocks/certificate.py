@@ -10,15 +10,22 @@
 
 All three render as text (``str``/``explain``) and JSON (``to_dict``/``to_json``).  Where a chain
 fails and the fix in words live in :mod:`certblocks.failures` (re-exported here).
+
+A chain is certified for a dtype or a precision policy (:mod:`certblocks.precision`, docs/theory.md section 7):
+under a mixed policy each value is checked against the ``M`` of the dtype it is held in
+(:attr:`BlockCertificate.peaks`, read from the graph captured under the policy).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+
+import mpmath
 
 from . import budget as _budget
 from ._format import fmt_num as _fmt_num
@@ -30,6 +37,7 @@ if TYPE_CHECKING:
 from ._format import json_number
 from .exponents import Exponents
 from .failures import Failure, head_gradient_failure, locate_failure, suggest_fix
+from .precision import Precision, as_precision
 
 __all__ = ["BlockCertificate", "Depths", "Failure", "KINDS", "Peak", "StackCertificate", "certify_stack",
            "cross_entropy_gradient", "json_number", "suggest_fix"]
@@ -70,12 +78,18 @@ class Peak:
         b: offset.
         what: the intermediate that attains the bound, for reports
             (``"query-key logits"``); for an unbounded peak, the value not bounded and why.
+        lever: what lowers this bound, in words, when it is known (a peak of the values held in one dtype under a
+            precision policy: "keep blocks.3.mlp.fc2 in fp32 ..."); ``""``: the failure's generic fix.
+        parts: the values the peak folds, each ``(terms, what, lever)`` with ``terms`` its bound as
+            ``((power, coefficient), ...)`` (``()``: not kept); :meth:`named_at` names the largest at a radius.
     """
 
     q: float
     c: float
     b: float = 0.0
     what: str = ""
+    lever: str = ""
+    parts: Tuple[Tuple[Tuple[Tuple[float, float], ...], str, str], ...] = field(default=(), compare=False, repr=False)
 
     @classmethod
     def unbounded(cls, what: str) -> Peak:
@@ -90,8 +104,9 @@ class Peak:
     def __post_init__(self) -> None:
         for name in ("q", "c", "b"):
             object.__setattr__(self, name, _budget._real(f"peak {name}", getattr(self, name)))
-        if not isinstance(self.what, str):
-            raise TypeError(f"what must be a str, got {self.what!r}")
+        for name in ("what", "lever"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name} must be a str, got {getattr(self, name)!r}")
 
     def bound(self, radius: float) -> float:
         """``c * radius^q + b`` (``inf`` past the float range)."""
@@ -102,8 +117,24 @@ class Peak:
         except OverflowError:
             return math.inf
 
+    def named_at(self, radius: float) -> Tuple[str, str]:
+        """``(what, lever)`` of the value with the largest bound at input radius ``radius`` among :attr:`parts` (the
+        first in graph order on a tie); ``(what, lever)`` of the peak without parts."""
+        best, out = -1.0, (self.what, self.lever)
+        for terms, what, lever in self.parts:
+            try:
+                v = math.fsum(coef * (float(radius) ** p if p else 1.0) for p, coef in terms)
+            except OverflowError:
+                v = math.inf
+            if v > best:
+                best, out = v, (what, lever)
+        return out
+
     def to_dict(self) -> Dict[str, Any]:
-        return {"q": self.q, "c": self.c, "b": self.b, "what": self.what}
+        out = {"q": self.q, "c": self.c, "b": self.b, "what": self.what}
+        if self.lever:
+            out["lever"] = self.lever
+        return out
 
     def __str__(self) -> str:
         what = f" ({self.what})" if self.what else ""
@@ -138,6 +169,15 @@ class BlockCertificate:
             Jacobian bounds are the map's own, its backward factor is ``L(R)`` without ``1 +``) or
             ``"block"`` (a residual block with a non-identity shortcut certified as one map, counted
             as an update); see :data:`KINDS`.
+        peaks: the peak of the values held in each dtype (``{"fp16": Peak, "fp32": Peak}``: each the fold over the
+            values held in that dtype, naming the one that sets it) under the policy :attr:`precision`, read from the
+            graph captured under it (docs/theory.md section 7); ``None``: the dtypes of the intermediates are not
+            known (a certified block's own certificate).  :attr:`peak` stays the bound over all of them.  They hold
+            for the :attr:`peak` they were derived with: a copy whose ``peak`` was replaced (a gain, a cap) drops
+            them (:meth:`held_peaks` gives ``None``) and is bounded as a block of unknown dtypes.
+        precision: the name of the policy :attr:`peaks` and :attr:`state_dtype` were read under (``""``: none).
+        state_dtype: the dtype the segment's output state (for an update: ``x + dt v(x)``; for the head: its output)
+            is held in under :attr:`precision` (``""``: not known: the policy's stream dtype is taken).
 
     All coefficients are sound upper bounds in the per-token norm (docs/theory.md section 1).
     """
@@ -153,11 +193,28 @@ class BlockCertificate:
     fix: str = ""
     peak: Peak | None = None
     kind: str = "update"
+    peaks: Optional[Mapping[str, Peak]] = field(default=None, hash=False)
+    precision: str = ""
+    state_dtype: str = ""
+    peaks_of: Peak | None = field(default=None, repr=False, compare=False, hash=False)  # the peak `peaks` go with
 
     def __post_init__(self) -> None:
         check_choice("kind", self.kind, KINDS)
         if self.peak is not None and not isinstance(self.peak, Peak):
             raise TypeError(f"peak must be a Peak or None, got {type(self.peak).__name__}")
+        if self.peaks is not None:
+            if not isinstance(self.peaks, Mapping):
+                raise TypeError(f"peaks must be a mapping dtype -> Peak or None, got {type(self.peaks).__name__}")
+            held: Dict[str, Peak] = {}
+            for d, p in self.peaks.items():
+                if not isinstance(p, Peak):
+                    raise TypeError(f"peaks[{d!r}] must be a Peak, got {type(p).__name__}")
+                held[_budget.dtype_name(d)] = p
+            object.__setattr__(self, "peaks", held)  # a copy (a plain dict: certificates are pickled and copied)
+            if self.peaks_of is None:
+                object.__setattr__(self, "peaks_of", self.peak)
+        if self.state_dtype:
+            object.__setattr__(self, "state_dtype", _budget.dtype_name(self.state_dtype))
         e = Exponents(self.q, self.sigma)  # validates q and sigma
         object.__setattr__(self, "q", e.q)
         object.__setattr__(self, "sigma", e.sigma)
@@ -192,6 +249,13 @@ class BlockCertificate:
     def peak_bound(self, radius: float) -> float | None:
         """The bound on the block's largest intermediate at input radius ``radius`` (``None``: no peak)."""
         return None if self.peak is None else self.peak.bound(radius)
+
+    def held_peaks(self, precision: str) -> Optional[Dict[str, Peak]]:
+        """:attr:`peaks` when they were read under the policy named ``precision`` and still go with :attr:`peak`,
+        else ``None`` (the dtypes of the intermediates are not known for that policy)."""
+        if self.peaks is None or self.precision != precision or self.peak != self.peaks_of:
+            return None
+        return dict(self.peaks)
 
     def _coefficients(self) -> _budget.UpdateCoefficients:
         p = self.peak
@@ -229,9 +293,13 @@ class BlockCertificate:
         return Depths.from_overflow(name, M, fwd, bwd)
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"name": self.name, "kind": self.kind, "q": self.q, "sigma": self.sigma, "c": self.c, "b": self.b,
-                "l1": self.l1, "l0": self.l0, "culprit": self.culprit, "fix": self.fix,
-                "peak": None if self.peak is None else self.peak.to_dict()}
+        out = {"name": self.name, "kind": self.kind, "q": self.q, "sigma": self.sigma, "c": self.c, "b": self.b,
+               "l1": self.l1, "l0": self.l0, "culprit": self.culprit, "fix": self.fix,
+               "peak": None if self.peak is None else self.peak.to_dict()}
+        if self.peaks is not None:
+            out.update(peaks={d: p.to_dict() for d, p in self.peaks.items()}, precision=self.precision,
+                       state_dtype=self.state_dtype)
+        return out
 
     def to_json(self, **kwargs: Any) -> str:
         return json.dumps(self.to_dict(), **kwargs)
@@ -322,6 +390,17 @@ class StackCertificate:
         output_bound: the head's output bound at ``R_n`` (``nan`` without a head).
         scope: what the chain does not cover, in words (``""``: nothing; e.g. a converted model certified without
             a batch: its blocks as velocities of their own inputs, not the modules around them).
+        precision: the :class:`~certblocks.precision.Precision` the chain is certified for (``dtype`` is its name;
+            for a pure policy, the dtype's canonical name).  Under a mixed policy (docs/theory.md section 7) every
+            value is checked against the ``M`` of the dtype it is held in (a segment's :attr:`BlockCertificate.peaks`,
+            else the policy's narrowest dtype), each state against its dtype's (the stream's), and the backward
+            bound of the stream's costates against the ``M`` of the policy's gradient dtype (``max_value``): an
+            unscaled step, a safe loss scale ``>= 1`` for them.
+        max_loss_scale: the largest static loss scale with which no gradient held in a narrow dtype can overflow
+            (``None``: not computed in this version: the bound of every intermediate's gradient is the backward
+            side's; with it, certified will mean forward-safe and ``max_loss_scale >= 1``).
+        notes: what the certificate assumed under its policy, in words (segments whose intermediates' dtypes are
+            not known and were bounded against the narrowest dtype).
     """
 
     updates: Tuple[BlockCertificate, ...]
@@ -340,11 +419,19 @@ class StackCertificate:
     loss_grad: float = 1.0
     output_bound: float = math.nan
     scope: str = ""
+    precision: Optional[Precision] = None
+    max_loss_scale: Optional[float] = None
+    notes: Tuple[str, ...] = ()
 
     @property
     def depth(self) -> int:
         """The number of residual updates in the chain (maps are not counted)."""
         return sum(1 for u in self.updates if u.is_update)
+
+    @property
+    def state_max_value(self) -> float:
+        """``M`` of the residual stream's dtype (the policy's; ``max_value`` for a pure dtype)."""
+        return self.max_value if self.precision is None else _budget.float_max(self.precision.stream_dtype)
 
     @property
     def ok(self) -> bool:
@@ -367,7 +454,8 @@ class StackCertificate:
         return out + ([len(self.updates)] if self.head is not None and self.head.peak is None else [])
 
     def in_dtype(self, dtype: object) -> StackCertificate:
-        """The same chain (segments, head, loss gradient, ``dt``, ``r0``) certified for another dtype."""
+        """The same chain (segments, head, loss gradient, ``dt``, ``r0``) certified for another dtype or precision
+        policy (:func:`certblocks.precision.as_precision`)."""
         if self.head is not None:
             return certify_stack(self.updates, dtype, dt=self.dt, r0=self.r0, head=self.head,
                                  loss_grad=self.loss_grad)
@@ -418,6 +506,9 @@ class StackCertificate:
             "loss_grad": self.loss_grad, "output_bound": json_number(self.output_bound),
             "unchecked": self.unchecked, "scope": self.scope,
         }
+        if self.precision is not None and not self.precision.pure:
+            out.update(precision=self.precision.to_dict(), max_loss_scale=json_number(self.max_loss_scale),
+                       state_max_value=self.state_max_value, notes=list(self.notes))
         if fixes is not False:
             out["fixes"] = [f.to_dict() for f in self._fixes_of(fixes)]
         return out
@@ -439,7 +530,11 @@ class StackCertificate:
         maps = len(self.updates) - self.depth
         what = f"{self.depth} updates" + (f" and {maps} maps" if maps else "")
         kind = "stack" if not maps and self.head is None else "chain"
-        head = (f"{kind} of {what}, {self.dtype} (M = {self.max_value:.4g}), dt = {self.dt:g}, "
+        mixed = self.precision is not None and not self.precision.pure
+        held = (f"{self.dtype} (stream {self.precision.stream_dtype}, M = {self.state_max_value:.4g}; gradients "
+                f"{self.precision.grad_dtype}, M = {self.max_value:.4g})" if mixed and self.precision is not None
+                else f"{self.dtype} (M = {self.max_value:.4g})")
+        head = (f"{kind} of {what}, {held}, dt = {self.dt:g}, "
                 f"r0 = {self.r0:g}, Lip(G) = {self.lip_g:.4g}; backward budget log(M/Lip G) = {log_budget:.4g}")
         cols = ("k", "segment", "kind", "(q, sigma)", "c", "b", "l1", "l0", "R_k", "peak P_k(R_k)", "log factor",
                 "cum. log")
@@ -450,14 +545,12 @@ class StackCertificate:
             cum = cum + f if not math.isnan(f) else math.nan
             rows.append((str(k), u.name or "-", u.kind, f"({_fmt_num(u.q)}, {_fmt_num(u.sigma)})", _fmt_num(u.c),
                          _fmt_num(u.b), _fmt_num(u.l1), _fmt_num(u.l0), _fmt_num(self.radii[k]),
-                         "-" if u.peak is None else _fmt_num(u.peak_bound(self.radii[k])), _fmt_num(f),
-                         _fmt_num(cum)))
+                         self._peak_cell(u, self.radii[k]), _fmt_num(f), _fmt_num(cum)))
         if self.head is not None:
             h = self.head
             rows.append(("G", h.name or "head", "head", f"({_fmt_num(h.q)}, {_fmt_num(h.sigma)})", _fmt_num(h.c),
                          _fmt_num(h.b), _fmt_num(h.l1), _fmt_num(h.l0), _fmt_num(self.radii[-1]),
-                         "-" if h.peak is None else _fmt_num(h.peak_bound(self.radii[-1])),
-                         _fmt_num(math.log(self.lip_g)), "-"))
+                         self._peak_cell(h, self.radii[-1]), _fmt_num(math.log(self.lip_g)), "-"))
         out = [head, render_table(cols, rows, align="rll" + "r" * (len(cols) - 3))]  # names and kinds left
         out.append(f"R_{len(self.updates)} = {_fmt_num(self.radii[-1])}"
                    + ("" if self.head is None else f", head output <= {_fmt_num(self.output_bound)}"))
@@ -468,6 +561,17 @@ class StackCertificate:
                        "intermediates")
         if self.scope:
             out.append(f"scope: {self.scope}")
+        if mixed and self.precision is not None:
+            out.append(f"precision: {self.precision.describe()}")
+            out += [f"note: {note}" for note in self.notes]
+            if self.max_loss_scale is None:
+                out.append(f"loss scale: not computed in this version (the stream's costates are checked against "
+                           f"{self.precision.grad_dtype}'s M: a safe scale >= 1 for them)")
+            else:
+                scaler = self.precision.loss_scale
+                above = (f"; the GradScaler's initial scale {scaler:g} is above it: it skips steps until it comes "
+                         "down" if scaler is not None and scaler > self.max_loss_scale else "")
+                out.append(f"largest safe static loss scale: {self.max_loss_scale:.4g}{above}")
         if self.ok:
             out.append(f"certified: all {self.depth} updates (D_F >= {self.forward_depth}, "
                        f"D_grad >= {self.backward_depth}) in {self.dtype}")
@@ -486,6 +590,20 @@ class StackCertificate:
                     out.append(line)
         return "\n".join(out)
 
+    def _peak_cell(self, u: BlockCertificate, radius: float) -> str:
+        """The peak column of :meth:`explain`: the bound at ``radius``; under a mixed policy the one nearest its
+        dtype's ``M``, with the dtype."""
+        if u.peak is None:
+            return "-"
+        prec = self.precision
+        if prec is None or prec.pure:
+            return _fmt_num(u.peak_bound(radius))
+        checks = _peak_checks(u, prec, head=u is self.head).peaks
+        if not checks:
+            return "-"
+        d, p = max(checks, key=lambda dp: _ratio(dp[1].bound(radius), dp[0]))
+        return f"{_fmt_num(p.bound(radius))} {d}"
+
     def __str__(self) -> str:
         verdict = "certified" if self.ok else f"not certified past update {self.certified_depth}"
         return (f"StackCertificate({self.depth} updates, {self.dtype}: {verdict}; "
@@ -501,10 +619,21 @@ def certify_stack(certs: Sequence[BlockCertificate], dtype: object, *, dt: float
     ``c_k R_k^{q_k} + b_k`` for a map) and the layerwise backward bound over the segments in order
     (docs/theory.md section 6); boundaries are decided exactly (see :mod:`certblocks.budget`).
 
+    Under a mixed precision policy (``"amp-fp16"``, ...; docs/theory.md section 7) each value is checked against the
+    ``M`` of the dtype it is held in: a segment's :attr:`BlockCertificate.peaks` each against its dtype, a segment
+    whose intermediates' dtypes are not known (a certified block's own certificate) against the policy's narrowest
+    dtype with its input counted among them (autocast may cast it), each state against the dtype the segment's
+    output is held in (:attr:`BlockCertificate.state_dtype`, else the policy's stream), the head's output likewise;
+    the backward bound of the stream's costates against the ``M`` of the policy's gradient dtype.  These crossings
+    are decided with outward rounding and an arbitrary-precision rerun where the enclosure straddles ``M``, the
+    backward one with its budget rescaled to the widest dtype (a bound within a few ulps of ``M`` is refused).
+
     Args:
         certs: one :class:`BlockCertificate` per segment, in order (kind ``"update"``, ``"map"`` or
             ``"block"``).
-        dtype: torch dtype or name.
+        dtype: a torch dtype, a dtype name or a precision policy (:func:`certblocks.precision.as_precision`:
+            ``"amp-fp16"``, ``"amp-bf16"``, ``"fsdp-bf16"``, ``"fp8-e4m3"`` or a
+            :class:`~certblocks.precision.Precision`).
         dt: residual step size (scales the velocities of the ``"update"`` segments only).
         r0: bound on the first segment's input (the per-token norm).
         lip_g: the Lipschitz constant of the loss head in the state (default 1); not with ``head``.
@@ -521,8 +650,13 @@ def certify_stack(certs: Sequence[BlockCertificate], dtype: object, *, dt: float
     for k, cert in enumerate(certs):
         if not isinstance(cert, BlockCertificate):
             raise TypeError(f"certs[{k}] must be a BlockCertificate, got {type(cert).__name__}")
-    name = _budget.dtype_name(dtype)
-    M = _budget.float_max(name)
+    prec = as_precision(dtype)
+    mixed = not prec.pure
+    name = prec.name if mixed else prec.stream_dtype
+    M = _budget.float_max(prec.grad_dtype)  # the backward budget's (a pure dtype's M)
+    checks = [_peak_checks(c, prec) for c in certs] if mixed else []
+    # mixed: the scans run against the widest dtype (its radii, factors and output bound); each value's own M below
+    M_scan = max([M, prec.max_value] + [_budget.float_max(ch.state) for ch in checks]) if mixed else M
     coefficients = [c._coefficients() for c in certs]
     loss_grad = _budget._real("loss_grad", loss_grad, strict=True)
     head_u = None
@@ -534,7 +668,9 @@ def certify_stack(certs: Sequence[BlockCertificate], dtype: object, *, dt: float
         if lip_g is not None:
             raise ValueError("pass lip_g or head, not both: with a head, Lip(G) is its Jacobian bound times loss_grad")
         head_u = head._coefficients()
-        radius = _budget.scan_stack(coefficients, M, dt=dt, r0=r0).radii[-1]
+        if mixed:
+            head_u = dataclasses.replace(head_u, pq=None)
+        radius = _budget.scan_stack(coefficients, M_scan, dt=dt, r0=r0).radii[-1]
         lip_g = _head_lipschitz(head, radius, loss_grad)
     elif lip_g is None:
         lip_g = loss_grad
@@ -542,9 +678,23 @@ def certify_stack(certs: Sequence[BlockCertificate], dtype: object, *, dt: float
         raise ValueError("loss_grad needs a head; without one, pass the whole bound as lip_g")
     # A head whose Lip(G) reaches M overflows the gradient at the output itself, at any depth.
     head_backward = head is not None and lip_g >= M
-    scan = _budget.scan_stack(coefficients, M, dt=dt, r0=r0, lip_g=1.0 if head_backward else lip_g, head=head_u)
+    scan_lip = 1.0 if head_backward else lip_g
+    if mixed:
+        if scan_lip >= M:  # the message of a pure dtype's check, with the gradient dtype's M
+            raise ValueError(f"lip_g must be below the largest finite value {M:g} of the policy's gradient dtype "
+                             f"{prec.grad_dtype}, got {scan_lip:g}")
+        scan_lip = _up(_up(scan_lip * (M_scan / M)))  # log(M_scan / scan_lip) <= log(M / lip_g): the same budget
+        coefficients = [dataclasses.replace(u, pq=None) for u in coefficients]
+    scan = _budget.scan_stack(coefficients, M_scan, dt=dt, r0=r0, lip_g=scan_lip, head=head_u)
     n = len(certs)
-    fwd_seg = n if scan.forward_overflow is None else min(n, scan.forward_overflow - 1)
+    crossing = None
+    if mixed:
+        head_checks = _peak_checks(head, prec, head=True) if head is not None else None
+        crossing = _held_forward(coefficients, checks, head_u, head_checks, dt, r0)
+        forward_overflow = None if crossing is None else crossing.index + 1
+    else:
+        forward_overflow = scan.forward_overflow
+    fwd_seg = n if forward_overflow is None else min(n, forward_overflow - 1)
     bwd_seg = 0 if head_backward else n if scan.backward_overflow is None else scan.backward_overflow - 1
     unknown = scan.unknown_sigma  # first segment with q or sigma not derived
     if unknown is not None:
@@ -555,13 +705,20 @@ def certify_stack(certs: Sequence[BlockCertificate], dtype: object, *, dt: float
     if blind is not None:  # an intermediate not bounded: the forward pass is not certified from there on
         fwd_seg = min(fwd_seg, blind)
     cert_seg = min(fwd_seg, bwd_seg)
-    head_fails = scan.forward_overflow == n + 1
+    head_fails = forward_overflow == n + 1
     head_why = _head_unknown(head)
+    backward_scan = dataclasses.replace(scan, forward_overflow=None, forward_intermediate=False) if mixed else scan
 
     def at(k: int, bwd: int) -> Failure:
         """The failure at segment ``k < n`` (``n``: the head's forward), an unbounded peak named as such."""
         if k < n and k == blind and k != unknown:
             return _unbounded_failure(certs[k], k)
+        if crossing is not None and k == crossing.index and k == fwd_seg and fwd_seg <= bwd and not (
+                unknown is not None and k == unknown):
+            return _held_failure(crossing, certs, head, prec, dt)
+        if mixed:  # what is left is a backward or unknown failure: against the gradient dtype's M
+            return locate_failure(certs, prec.grad_dtype, k, backward_scan, unknown, n + 1 if k == bwd else fwd_seg,
+                                  bwd, head)
         return locate_failure(certs, name, k, scan, unknown, fwd_seg, bwd, head)
 
     failure = None
@@ -584,9 +741,184 @@ def certify_stack(certs: Sequence[BlockCertificate], dtype: object, *, dt: float
     def updates_before(seg: int) -> int:
         return sum(1 for c in certs[:seg] if c.is_update)
 
+    notes = _precision_notes(certs, head, prec) if mixed else ()
     return StackCertificate(certs, name, M, float(dt), float(r0), float(lip_g), scan.radii, scan.log_factors,
                             updates_before(fwd_seg), updates_before(bwd_seg), updates_before(cert_seg), failure,
-                            head, loss_grad, scan.output_bound)
+                            head, loss_grad, scan.output_bound, precision=prec, notes=notes)
+
+
+# ----------------------------------------------------------------------------- each value against its own dtype
+
+_up = _budget._up
+_dn = _budget._dn
+
+
+def _ratio(bound: float, dtype: str) -> float:
+    return bound / _budget.float_max(dtype)
+
+
+def _with_input(peak: Peak) -> Peak:
+    """``max(peak(R), R)`` as one peak, rounded up: a block whose intermediates' dtypes are not known, with its input
+    among them (autocast may cast the block's input to the low dtype)."""
+    if not peak.derived:
+        return peak
+    q, c, b = peak.q, peak.c, peak.b
+    if q >= 1.0:  # R <= R^q + 1 (q > 1); max(c R + b, R) <= max(c, 1) R + b (q = 1)
+        c2, b2, q2 = max(c, 1.0), (b if q == 1.0 else _up(max(b, 1.0))), q
+    else:  # R^q <= R + 1 for 0 <= q < 1: c R^q + b <= c R + (c + b)
+        c2, b2, q2 = max(c, 1.0), _up(c + b), 1.0
+    what = f"{peak.what}, or the segment's input" if peak.what else "the segment's input or an intermediate"
+    return Peak(q2, c2, b2, what, peak.lever)
+
+
+class _Checks(NamedTuple):
+    """What a segment holds under a mixed policy: ``(dtype, peak)`` of each group of its values, and the dtype of its
+    output state (the head: of its output)."""
+
+    peaks: List[Tuple[str, Peak]]
+    state: str
+    known: bool  # the dtypes were read under the policy (else: the narrowest dtype stands for every value)
+
+
+def _peak_checks(cert: BlockCertificate, prec: Precision, *, head: bool = False) -> _Checks:
+    """A segment's :class:`_Checks` under a mixed policy: its :attr:`~BlockCertificate.peaks` read under ``prec``, else
+    its peak (with its input) against the policy's narrowest dtype; no peak without one.  Its output state in the
+    dtype read under ``prec`` (:attr:`~BlockCertificate.state_dtype`), else in the stream's (the head's output: the
+    narrowest, it may be a low-dtype matmul's)."""
+    read = cert.precision == prec.name and bool(cert.state_dtype)
+    state = cert.state_dtype if read else (prec.narrowest if head else prec.stream_dtype)
+    held = cert.held_peaks(prec.name)
+    if held is not None:
+        return _Checks(sorted(held.items(), key=lambda dp: _budget.DTYPE_MAX[dp[0]]), state, True)
+    peaks = [] if cert.peak is None else [(prec.narrowest, _with_input(cert.peak))]
+    return _Checks(peaks, state, False)
+
+
+class _Crossing(NamedTuple):
+    """The first value that reaches the ``M`` of its dtype (:func:`_held_forward`)."""
+
+    index: int  # the segment (``n``: the head)
+    kind: str  # "intermediate", "state" or "output"
+    dtype: str
+    peak: Optional[Peak]
+    bound: float  # the value's bound there (an upper bound)
+    radius: float  # the input radius of the segment (an upper bound)
+
+
+def _held_forward(coefficients: Sequence[_budget.UpdateCoefficients], checks: Sequence[_Checks],
+                  head_u: Optional[_budget.UpdateCoefficients], head_checks: Optional[_Checks],
+                  dt: float, r0: float) -> Optional[_Crossing]:
+    """The first segment at which a value reaches the ``M`` of the dtype it is held in: its intermediates (each dtype's
+    peak at the input radius), then its output state; after the last segment the head's intermediates and output.
+
+    Radii are enclosed in outward-rounded floats; where an enclosure straddles ``M`` the radius is recomputed in
+    arbitrary precision (mpmath) and the comparison decided there.
+    """
+    lo = hi = float(r0)
+
+    def exact(j: int) -> Any:
+        R = mpmath.mpf(r0)
+        for u in coefficients[:j]:
+            R = _budget._step_mp(R, u, dt)
+        return R
+
+    def reaches(value_lo: float, value_hi: float, M: float, value_mp: Callable[[], Any]) -> bool:
+        if value_lo >= M:
+            return True
+        if value_hi < M:
+            return False
+        with mpmath.workprec(_budget._PREC):
+            return bool(value_mp() >= mpmath.mpf(M))
+
+    def peak_crossing(k: int, group: List[Tuple[str, Peak]]) -> Optional[_Crossing]:
+        for d, p in group:
+            u = _budget.UpdateCoefficients(0.0, 0.0, pq=p.q, pc=p.c, pb=p.b)
+            if reaches(_budget._peak_lo(lo, u), _budget._peak_hi(hi, u), _budget.float_max(d),
+                       lambda u=u: _budget._peak_mp(exact(k), u)):
+                return _Crossing(k, "intermediate", d, p, _budget._peak_hi(hi, u), hi)
+        return None
+
+    for k, u in enumerate(coefficients):
+        if u.q is None:
+            return None
+        found = peak_crossing(k, checks[k].peaks)
+        if found is not None:
+            return found
+        radius = hi
+        hi, lo = _budget._step_hi(hi, u, dt), _budget._step_lo(lo, u, dt)
+        d = checks[k].state
+        if reaches(lo, hi, _budget.float_max(d), lambda j=k + 1: exact(j)):
+            return _Crossing(k, "state", d, None, hi, radius)
+    n = len(coefficients)
+    if head_u is None or head_checks is None or head_u.q is None:
+        return None
+    found = peak_crossing(n, head_checks.peaks)
+    if found is not None:
+        return found
+    d = head_checks.state
+    if reaches(_budget._step_lo(lo, head_u, dt), _budget._step_hi(hi, head_u, dt), _budget.float_max(d),
+               lambda: _budget._step_mp(exact(n), head_u, dt)):
+        return _Crossing(n, "output", d, None, _budget._step_hi(hi, head_u, dt), hi)
+    return None
+
+
+def _segment_label(k: int, cert: BlockCertificate) -> str:
+    what = {"update": "update", "map": "map", "block": "residual block"}[cert.kind]
+    return f"{what} {k} ({cert.name or 'unnamed'})"
+
+
+def _held_failure(c: _Crossing, certs: Sequence[BlockCertificate], head: Optional[BlockCertificate],
+                  prec: Precision, dt: float) -> Failure:
+    """The failure of a value that reaches the ``M`` of the dtype it is held in under ``prec``: the value (node,
+    module, dtype) and a lever."""
+    n = len(certs)
+    M = _budget.float_max(c.dtype)
+    cert = head if c.index == n else certs[c.index]
+    assert cert is not None
+    seg = "head" if c.index == n else cert.kind
+    label = f"the head '{cert.name or 'head'}'" if c.index == n else _segment_label(c.index, cert)
+    if c.index == n:
+        at = f"at the last state's radius R_{n} = {_fmt_num(c.radius)}: the head is not certified at any depth"
+    elif cert.is_update:
+        at = (f"at depth {sum(1 for u in certs[:c.index + 1] if u.is_update)} (input radius R_{c.index} = "
+              f"{_fmt_num(c.radius)})")
+    else:
+        at = f"at its input radius R_{c.index} = {_fmt_num(c.radius)} (a map is not certified at any depth)"
+    if c.kind == "intermediate":
+        assert c.peak is not None
+        what, lever = c.peak.named_at(c.radius)
+        what = what or f"an intermediate value held in {c.dtype}"
+        reason = (f"{what}, in {label}, can reach {c.dtype}'s M = {M:.4g} under {prec.name} {at}: the bound of "
+                  f"the {c.dtype} values there is {_fmt_num(c.bound)}")
+        fix = lever or (f"keep the ops of {cert.name or 'this segment'} that run in {c.dtype} in a wider dtype "
+                               f"(outside autocast), or lower their bound: {suggest_fix(cert, 'intermediate')}")
+        return Failure(c.index, cert.name, "forward", reason, fix, seg)
+    if c.kind == "output":
+        reason = (f"the output of {label}, held in {c.dtype} under {prec.name}, has the bound {_fmt_num(c.bound)}: it "
+                  f"can reach {c.dtype}'s M = {M:.4g} {at}")
+        return Failure(c.index, cert.name, "forward", reason,
+                       f"keep the head's last matmul in fp32 (outside autocast), or lower its output bound: "
+                       f"{suggest_fix(cert, 'forward')}", seg)
+    reason = (f"the state after {label}, held in {c.dtype} (the residual stream under {prec.name}), can reach "
+              f"{c.dtype}'s M = {M:.4g} {at}: its bound {_fmt_num(c.bound)}")
+    return Failure(c.index, cert.name, "forward", reason, suggest_fix(cert, "forward"), seg)
+
+
+def _precision_notes(certs: Sequence[BlockCertificate], head: Optional[BlockCertificate],
+                     prec: Precision) -> Tuple[str, ...]:
+    """What a mixed-policy certificate assumed: the segments whose intermediates' dtypes are not known."""
+    blind = [c.name or f"segment {k}" for k, c in enumerate(certs) if c.peak is not None and not
+             _peak_checks(c, prec).known]
+    if head is not None and head.peak is not None and not _peak_checks(head, prec, head=True).known:
+        blind.append(head.name or "head")
+    if not blind:
+        return ()
+    which = ", ".join(blind[:4]) + (f", ... ({len(blind)} in all)" if len(blind) > 4 else "")
+    return (f"{len(blind)} segment(s) ({which}) carry no per-dtype bounds read under {prec.name} (a certified "
+            f"block's own certificate, or a graph captured without the policy): their intermediates and their input "
+            f"are bounded against {prec.narrowest}'s M = {_budget.float_max(prec.narrowest):.4g}, the narrowest "
+            f"dtype the policy holds values in (sound), their output states against the stream's "
+            f"{prec.stream_dtype}",)
 
 
 def _head_unknown(head: BlockCertificate | None) -> str | None:

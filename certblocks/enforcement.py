@@ -84,9 +84,9 @@ from torch.nn.utils import parametrize
 
 from . import bounds
 from ._validation import check_int, check_real
-from .budget import dtype_name
 from .certificate import BlockCertificate, StackCertificate, certify_stack
 from .model import CertifiedModel, as_certified, underlying
+from .precision import as_precision
 from .protocol import CapSlot, EnforceableBlock
 
 __all__ = ["enforce", "unenforce", "cap_factor", "cap_ratios", "EnforceReport", "NormCap", "ScaleClamp",
@@ -302,7 +302,7 @@ def _worst_stack(plans: List[_Plan], alpha: float, depth: int, ups: CertifiedMod
 
 def _prepare(model: Any, dtype: Union[str, torch.dtype], depth: Optional[int], r0: Optional[float],
              lip_g: Optional[float], seq_len: Optional[int]) -> Tuple[str, CertifiedModel, List[_Plan], int]:
-    dt_name = dtype_name(dtype)
+    dt_name = as_precision(dtype).name
     ups = as_certified(model, r0=r0, seq_len=seq_len)
     if not ups.modules:
         raise TypeError(f"{type(ups.module).__name__} has no certified block (no submodule with certificate() and "
@@ -360,7 +360,8 @@ def enforce(model: Any, dtype: Union[str, torch.dtype], depth: Optional[int] = N
     Args:
         model: a :class:`~certblocks.CertifiedStack`, a zoo model, a converted model or ``(name, module)``
             pairs (as for :class:`~certblocks.CertificateMonitor`).
-        dtype: the dtype the certificate is for.
+        dtype: the dtype the certificate is for, or its precision policy (:func:`certblocks.precision.as_precision`:
+            under ``"amp-fp16"`` the capped blocks' intermediates are bounded against fp16, the stream against fp32).
         depth: the number of updates to certify (default: the model's; larger plans for added layers).
         r0: the input radius (default: the model's at this call).
         lip_g: ``Lip(G)`` of the head (default: the model's, 1 for a zoo model); the head is not capped, so a

@@ -70,6 +70,7 @@ from ._validation import check_bool, check_int, check_real
 from .bounds import one_thread
 from .budget import DTYPE_MAX, dtype_name
 from .certificate import BlockCertificate, StackCertificate, certify_stack
+from .precision import as_precision
 
 if TYPE_CHECKING:  # pragma: no cover
     from .fixes import Fix, Lever
@@ -248,7 +249,8 @@ class Envelope:
 
     Args:
         owner: the model's name, for the messages.
-        dtype: the dtype the certificate is for.
+        dtype: the dtype the certificate is for, or its precision policy (:func:`certblocks.precision.as_precision`:
+            a forward is inside it when it computes in the policy's narrowest dtype or a wider one).
         seq_len: the sequence length it was computed at (``None``: the certificate does not depend on it, or the
             model refuses longer inputs itself).
         r0: the bound on the input's per-token norm it assumes when that bound is *stated* (given by the user,
@@ -257,6 +259,8 @@ class Envelope:
         strict: raise :class:`~certblocks.CertificationError` at a forward outside the envelope instead of warning.
 
     Attributes:
+        dtype: the narrowest dtype the certified policy computes in (the dtype itself for a pure one).
+        policy: the certified policy's name (a pure dtype's canonical name).
         seen_dtype, seen_seq_len, seen_r0: the narrowest dtype, the longest sequence and the largest input norm of
             the forwards outside the envelope (``None``: none so far).
     """
@@ -274,7 +278,9 @@ class Envelope:
     def record(self, dtype: Any, seq_len: Optional[int], r0: Optional[float]) -> None:
         """Set what the certificate assumes (a new certification); what was seen outside the old one is kept only
         where it is still outside the new one."""
-        self.dtype = dtype_name(dtype)
+        prec = as_precision(dtype)
+        self.dtype = prec.narrowest
+        self.policy = prec.name
         self.seq_len = None if seq_len is None else check_int("seq_len", seq_len)
         self.r0 = None if r0 is None else float(r0)
         self._ok_dtypes: set = set()  # torch dtypes checked inside the envelope: one set lookup per forward
@@ -291,8 +297,9 @@ class Envelope:
         return self.seen_dtype is not None or self.seen_seq_len is not None or self.seen_r0 is not None
 
     def used(self) -> Tuple[str, Optional[int], Optional[float]]:
-        """``(dtype, seq_len, r0)`` of the runs so far: the certified ones widened by what was seen."""
-        dtype = self.seen_dtype or self.dtype
+        """``(dtype, seq_len, r0)`` of the runs so far: the certified ones widened by what was seen (``dtype``: the
+        certified policy's name, or the narrower dtype a forward ran in)."""
+        dtype = self.seen_dtype or getattr(self, "policy", self.dtype)
         seq_len = self.seq_len if self.seen_seq_len is None else self.seen_seq_len
         r0 = self.r0 if self.seen_r0 is None else self.seen_r0
         return dtype, seq_len, r0
@@ -552,9 +559,12 @@ class CertifiedModel:
         """The :class:`~certblocks.StackCertificate` of the model's chain from its current weights.
 
         Args:
-            dtype: the dtype (a torch dtype or a name); default: the envelope used (the narrowest dtype a forward
-                ran in, else the model's own certification dtype).  A converted model has no dtype of its own:
-                its first certificate needs one.
+            dtype: the dtype (a torch dtype or a name) or a precision policy (:func:`certblocks.precision.as_precision`:
+                ``"amp-fp16"``, ...: every value against the ``M`` of the dtype it is held in; a model read from its
+                graph is captured under the policy, a model of certified blocks bounds their intermediates against
+                the policy's narrowest dtype); default: the envelope used (the narrowest dtype a forward ran in, else
+                the model's own certification dtype).  A converted model has no dtype of its own: its first
+                certificate needs one.
             r0: bound on the first update's input (default: :func:`as_certified`'s, else the model's, widened by
                 the envelope used).
             seq_len: the sequence length (default likewise).
@@ -585,7 +595,7 @@ class CertifiedModel:
             if dtype is None:
                 raise ValueError(f"dtype: {type(self.module).__name__ if self.module is not None else 'the model'} has "
                                  "no certification dtype of its own; pass one (certificate('bf16'))")
-        name = dtype_name(dtype)
+        name = as_precision(dtype).name
         if self.reads_graph:
             return self._graph_certificate(name, r0)
         n = seq_len if seq_len is not None else _wider(self.seq_len, used[1])
@@ -602,13 +612,14 @@ class CertifiedModel:
             self._record_envelope(name, n, r)
         return cert
 
-    def graph_report(self) -> Any:
+    def graph_report(self, precision: Any = None) -> Any:
         """The :class:`~certblocks.trace.ModelCertificate` a ``"graph"`` model's certificate is read from (its updates
         found in the graph captured on ``example_input``, each with its per-node explanation), or ``None`` for a model
         whose updates are listed (its certified blocks: their certificates are their own).
 
-        Captured in eval mode, once for the current weights and batch (a change of either captures again): the
-        certificate and the fixes of a graph model share one capture.
+        Captured in eval mode, once for the current weights, batch and policy (a change of any captures again): the
+        certificate and the fixes of a graph model share one capture.  ``precision``: a mixed precision policy to
+        capture it under (:func:`certblocks.certify`'s ``precision``); ``None`` or a pure dtype: as it is.
 
         Raises:
             ValueError: a graph model without ``example_input``.
@@ -623,16 +634,17 @@ class CertifiedModel:
 
         assert self.module is not None
         weights = tuple((id(p), p._version) for p in self.module.parameters())
-        key = (id(self.example_input), repr(self.residual), weights)
+        prec = None if precision is None or as_precision(precision).pure else as_precision(precision)
+        key = (id(self.example_input), repr(self.residual), weights, None if prec is None else prec.name)
         if self._traced is None or self._traced[0] != key:
             with _eval_mode(self.module):  # a certificate is for the model in eval mode (dropout is the identity)
-                rep = certify(self.module, self.example_input, residual=self.residual)
+                rep = certify(self.module, self.example_input, residual=self.residual, precision=prec)
             rep = rep if isinstance(rep, ModelCertificate) else ModelCertificate([rep], type(self.module).__name__)
             self._traced = (key, rep)
         return self._traced[1]
 
     def _graph_certificate(self, dtype: str, r0: Optional[float]) -> StackCertificate:
-        rep = self.graph_report()
+        rep = self.graph_report(dtype)
         if r0 is None:
             own = getattr(self.module, "input_radius", None)
             r0 = float(own()) if callable(own) else self.radius()

@@ -105,7 +105,6 @@ from torch import nn
 from ._validation import NonFiniteWeightError, check_bool, check_callable, check_int, check_real
 from .blocks.stats import power_norm as _power_step
 from .bounds import one_thread
-from .budget import dtype_name, float_max
 from .certificate import BlockCertificate, StackCertificate, certify_stack
 from .model import (
     CertificateWarning,
@@ -118,6 +117,7 @@ from .model import (
 )
 from .ondata.sources import Call
 from .ondata.watch import OnDataWatch, autocast_state, batch_of
+from .precision import as_precision
 from .updates import ResidualUpdates, residual_updates
 
 # CertificateWarning lives in certblocks.model (the envelope's warnings are ones too); importable from here as before
@@ -145,7 +145,11 @@ class CertificateMonitor:
             :class:`~certblocks.ConversionReport`), a wrapper of one (DDP, FSDP, ``torch.compile``), ``(name,
             module)`` pairs, or any other module (watched on data only, from its graph): what
             :func:`certblocks.model.as_certified` reads.
-        dtype: the dtype whose budget the margins refer to (``torch.bfloat16``, ``"fp16"``, ...).
+        dtype: the dtype whose budget the margins refer to (``torch.bfloat16``, ``"fp16"``, ...), or a precision
+            policy (:func:`certblocks.precision.as_precision`: ``"amp-fp16"``): the certificate checks each value
+            against the dtype it is held in (``margin_fwd`` against the stream's, ``margin_grad`` against the
+            gradient dtype's ``M``), and on data each recorded value counts against its own dtype's ``M`` where the
+            batch ran in the policy's narrowest dtype (train under its autocast).
         every: check every ``every`` calls of :meth:`step` (the first check is at step 0).
         r0: the input radius of the certificate (default: the model's, see :func:`~certblocks.model.as_certified`).
         seq_len: the sequence length of the certificates (default: the model's).
@@ -181,7 +185,7 @@ class CertificateMonitor:
         alerts: every alert issued.
     """
 
-    def __init__(self, model: Any, dtype: Union[str, torch.dtype], *, every: int = 50, r0: Optional[float] = None,
+    def __init__(self, model: Any, dtype: Union[str, torch.dtype, Any], *, every: int = 50, r0: Optional[float] = None,
                  seq_len: Optional[int] = None, threshold: float = 0.1,
                  callback: Optional[Callable[[Dict[str, Any]], Any]] = None,
                  share_alerts: bool = False, kappa_growth: Optional[float] = 10.0,
@@ -189,7 +193,8 @@ class CertificateMonitor:
                  batch_figures: bool = True, on_data: bool = True, headroom_threshold: Optional[float] = 1.0,
                  horizon: Optional[int] = None, trend_window: int = 5, worst_case_alerts: bool = False,
                  data_steps: int = 4, headroom_basis: str = "measured", estimate_every: Optional[int] = None) -> None:
-        self.dtype = dtype_name(dtype)
+        self.precision = as_precision(dtype)
+        self.dtype = self.precision.name
         self.every = check_int("every", every)
         self.threshold = check_real("threshold", threshold, lt=1.0, note="a margin")
         self.callback = check_callable("callback", callback, "callable(alert)", optional=True)
@@ -204,7 +209,8 @@ class CertificateMonitor:
         self.worst_case_alerts = worst_case_alerts
         check_real("headroom_threshold", headroom_threshold, optional=True, note="nats")
         check_int("horizon", horizon, optional=True)
-        self._watch = OnDataWatch(self.dtype, threshold=headroom_threshold, horizon=horizon,
+        # on data, each value is read against its own dtype's M where the batch ran in the policy's narrowest dtype
+        self._watch = OnDataWatch(self.precision.narrowest, threshold=headroom_threshold, horizon=horizon,
                                   window=check_int("trend_window", trend_window, 3), steps=check_int("data_steps",
                                                                                                     data_steps),
                                   tol=1e-2, logit_samples=self.logit_samples,
@@ -406,7 +412,7 @@ class CertificateMonitor:
             self._emit(alert)
 
     def _stack_figures(self, stack: StackCertificate) -> Dict[str, Any]:
-        M = float_max(self.dtype)
+        M = stack.max_value  # the backward budget's (a policy's gradient dtype)
         budget = math.log(M) - math.log(stack.lip_g)
         total = stack.log_gradient_bound
         return {"stack/ok": bool(stack.ok), "stack/certified_depth": stack.certified_depth,
@@ -415,7 +421,7 @@ class CertificateMonitor:
 
     def _update_figures(self, k: int, m: nn.Module, cert: BlockCertificate, stack: StackCertificate
                         ) -> Dict[str, Any]:
-        M = float_max(self.dtype)
+        M = stack.max_value
         D = stack.depth
         budget = math.log(M) - math.log(stack.lip_g)
         f = stack.log_factors[k]
@@ -424,7 +430,8 @@ class CertificateMonitor:
                                "l0": cert.l0, "radius_in": stack.radii[k], "radius_out": r_out,
                                "log_factor": f}
         out["margin_grad"] = 1.0 - f * D / budget if not math.isnan(f) else math.nan
-        out["margin_fwd"] = (1.0 - math.log(max(r_out, 1.0)) / math.log(M)) if not math.isnan(r_out) else math.nan
+        m_state = math.log(stack.state_max_value)  # the stream's dtype (a policy's; the dtype itself when pure)
+        out["margin_fwd"] = (1.0 - math.log(max(r_out, 1.0)) / m_state) if not math.isnan(r_out) else math.nan
         cap = self._captures.get(k)
         if cap is not None and cert.q is not None:
             bound = cert.c * cap["x_norm"] ** cert.q + cert.b

@@ -18,9 +18,9 @@ from torch.nn.utils import parametrize
 
 from ._validation import check_bool, check_finite, check_int, check_real
 from .bounds import one_thread
-from .budget import dtype_name
 from .certificate import BlockCertificate, StackCertificate, certify_stack
 from .fixes import Fix, compute_fixes, format_fixes
+from .precision import as_precision
 
 __all__ = ["CertificationError", "CertifiedStack", "build_stack", "block_certificate"]
 
@@ -238,7 +238,7 @@ class CertifiedStack(nn.Module):
                   ) -> Tuple[str, int | None, float]:
         """The certificate's dtype, ``seq_len`` and ``r0``: the given ones, else the envelope used."""
         used_dtype, used_len, used_r0 = self.envelope.used()
-        dtype = used_dtype if dtype is None else dtype_name(dtype)
+        dtype = used_dtype if dtype is None else as_precision(dtype).name
         seq_len = used_len if seq_len is None else check_int("seq_len", seq_len)
         if r0 is None:
             r0 = self.r0 if used_r0 is None else used_r0
@@ -251,7 +251,8 @@ class CertifiedStack(nn.Module):
         """The :class:`StackCertificate` of the current weights (recomputed when they changed).
 
         Args:
-            dtype: the dtype (default: the stack's, or the narrowest compute dtype a forward ran in).
+            dtype: the dtype or precision policy (:func:`certblocks.precision.as_precision`; default: the stack's, or
+                the narrowest compute dtype a forward ran in).
             seq_len: the sequence length offered to the blocks (default: the stack's, or the longest sequence a
                 forward ran on).
             r0: bound on the input's per-token norm (default: the stack's, or the largest input a forward saw).
@@ -323,7 +324,10 @@ def build_stack(blocks: Iterable[BlockSpec], dtype: Union[str, torch.dtype], *, 
     Args:
         blocks: the velocities in depth order, one residual update each: modules
             with a ``certificate()`` method, or ``(module, BlockCertificate)`` pairs.
-        dtype: the dtype the stack will run in (``torch.float16``, ``"bf16"``, ...).
+        dtype: the dtype the stack will run in (``torch.float16``, ``"bf16"``, ...), or its precision policy
+            (``"amp-fp16"``: autocast fp16 with an fp32 stream; :func:`certblocks.precision.as_precision`): the
+            blocks' intermediates are then bounded against the policy's narrowest dtype, the stream against its
+            own (docs/theory.md section 7).
         dt: residual step size.
         r0: bound on the input's per-token norm.
         lip_g: Lipschitz constant of the loss head in the state.
@@ -342,7 +346,7 @@ def build_stack(blocks: Iterable[BlockSpec], dtype: Union[str, torch.dtype], *, 
     """
     check_bool("strict", strict)
     modules, certs, explicit = _split(blocks, seq_len)
-    cert = certify_stack(certs, dtype_name(dtype), dt=dt, r0=r0, lip_g=lip_g)
+    cert = certify_stack(certs, as_precision(dtype), dt=dt, r0=r0, lip_g=lip_g)
     stack = CertifiedStack(modules, cert, dt=dt, r0=r0, lip_g=lip_g, seq_len=seq_len, explicit=explicit,
                            strict=strict)
     if certify and not cert.ok:

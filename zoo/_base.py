@@ -13,7 +13,8 @@ input embedding and a head.  It lists its residual velocities in depth order
 Defaults used for certification (each family documents its own ``r0`` and ``seq_len``):
 
 * ``cert_dtype = "bf16"``: the dtype these models are trained in with mixed precision (its
-  range equals fp32's to 0.4%; fp16 is much stricter and is reported by the CLI).
+  range equals fp32's to 0.4%; fp16 is much stricter and is reported by the CLI).  A precision
+  policy is accepted too (``cert_dtype="amp-fp16"``: :func:`certblocks.precision.as_precision`).
 * ``r0``: a sound bound on the per-token norm of the state entering the first update, computed
   from the embedding weights (:meth:`ZooModel.input_radius`).
 * ``seq_len``: the model's maximal sequence length of residual-stream tokens.
@@ -36,9 +37,9 @@ from certblocks._validation import check_bool, check_int
 from certblocks.blocks.gain import ScaledBranch, scaled_certificate
 from certblocks.bounds import concurrent_calls, one_thread, op_norm, row_norm_max, vec_norm
 from certblocks.bounds.normalization import module_norm_bounds
-from certblocks.budget import dtype_name
 from certblocks.certificate import BlockCertificate, Peak, StackCertificate, certify_stack
 from certblocks.fixes import Fix, Lever, compute_fixes, format_fixes
+from certblocks.precision import as_precision
 from certblocks.stack import CertificationError, block_certificate
 
 from ._hub import HubMixin
@@ -166,7 +167,9 @@ class ZooModel(nn.Module, HubMixin, metaclass=abc.ABCMeta):
         """The certificate of the model's chain (embedding bound, residual updates, head) from its current weights.
 
         Args:
-            dtype: the dtype (default: the model's ``cert_dtype``, or the narrower compute dtype a forward ran in:
+            dtype: the dtype or precision policy (:func:`certblocks.precision.as_precision`: ``"amp-fp16"`` bounds the
+                blocks' intermediates against fp16 and the residual stream against fp32; docs/theory.md section 7;
+                default: the model's ``cert_dtype``, or the narrower compute dtype a forward ran in:
                 :attr:`envelope`).
             r0: bound on the per-token norm of the first update's input (default:
                 :meth:`input_radius`, computed from the embedding weights).
@@ -235,7 +238,7 @@ class ZooModel(nn.Module, HubMixin, metaclass=abc.ABCMeta):
                 env.check(x, dtype=None if param is None else param.dtype, state=False, stacklevel=4)
         return super().__call__(*args, **kwargs)
 
-    def _certify_or_refuse(self, certify: bool, cert_dtype: Union[str, torch.dtype, None]) -> None:
+    def _certify_or_refuse(self, certify: bool, cert_dtype: Union[str, torch.dtype, Any, None]) -> None:
         """Set ``cert_dtype`` and the :attr:`envelope`; when ``certify``, raise :class:`CertificationError` if the
         model is not certified.
 
@@ -248,7 +251,7 @@ class ZooModel(nn.Module, HubMixin, metaclass=abc.ABCMeta):
         from certblocks.model import Envelope
 
         check_bool("certify", certify)
-        self.cert_dtype = dtype_name(cert_dtype if cert_dtype is not None else DEFAULT_CERT_DTYPE)
+        self.cert_dtype = as_precision(cert_dtype if cert_dtype is not None else DEFAULT_CERT_DTYPE).name
         self.envelope = Envelope(type(self).__name__, self.cert_dtype)
         if not certify:
             return

@@ -26,6 +26,7 @@ __all__ = [
     "progress_of",
     "command",
     "dtype_list",
+    "pure_dtype_list",
     "int_at_least",
     "nonnegative_float",
     "positive_float",
@@ -171,7 +172,21 @@ def progress_of(args: Any, command: str) -> Progress:
 # these to string defaults, so a default such as "fp16,bf16,fp32" arrives parsed.
 
 def dtype_list(text: str) -> List[str]:
-    """``"fp16,bf16"`` -> ``["fp16", "bf16"]`` (canonical names); an argparse ``type``."""
+    """``"fp16,amp-fp16,bf16"`` -> ``["fp16", "amp-fp16", "bf16"]``: dtypes (canonical names) and precision policies
+    (:func:`certblocks.precision.as_precision`); an argparse ``type``."""
+    from certblocks.precision import as_precision
+
+    names = [t for t in (s.strip() for s in text.split(",")) if t]
+    if not names:
+        raise argparse.ArgumentTypeError(f"needs at least one dtype, e.g. fp16,bf16,fp32; got {text!r}")
+    try:
+        return [as_precision(n).name for n in names]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def pure_dtype_list(text: str) -> List[str]:
+    """:func:`dtype_list` of dtypes only (a homogeneous stack's depths are for one dtype)."""
     from certblocks.budget import dtype_name
 
     names = [t for t in (s.strip() for s in text.split(",")) if t]

@@ -9,7 +9,7 @@ import argparse
 import json
 from typing import TYPE_CHECKING, Sequence
 
-from ._common import UsageError, command, dtype_list
+from ._common import UsageError, command, pure_dtype_list
 from .formatting import format_depth, render_table
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dt", type=float, default=1.0, help="residual step size (default 1)")
     p.add_argument("--r0", type=float, default=1.0, help="input radius (default 1)")
     p.add_argument("--lip-g", type=float, default=1.0, help="Lipschitz constant of the loss head (default 1)")
-    p.add_argument("--dtype", type=dtype_list, default="fp16,bf16,fp32",
+    p.add_argument("--dtype", type=pure_dtype_list, default="fp16,bf16,fp32",
                    help="comma-separated dtypes (default fp16,bf16,fp32)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run_budget)

@@ -49,10 +49,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "dtype. MODEL: timm:<name>, hf:gpt2, hf:mamba, hf:llama, module:pkg.mod:factory, or a zoo name.")
     p.add_argument("model", nargs="?", default=None,
                    help="timm:<name> | hf:gpt2 | hf:mamba | hf:llama | module:pkg.mod:factory | zoo name; "
-                        "without MODEL, every zoo model is certified (fp16, bf16, fp32)")
+                        "without MODEL, every zoo model is certified (fp16, amp-fp16, bf16, fp8-e4m3, fp32)")
     p.add_argument("--dtype", type=dtype_list, default=None,
-                   help="fp16, bf16, fp32, fp64, fp8_e4m3, fp8_e5m2 (default bf16; comma-separated list "
-                        "without MODEL, default fp16,bf16,fp32)")
+                   help="a dtype (fp16, bf16, fp32, fp64, fp8_e4m3, fp8_e5m2) or a precision policy (amp-fp16, "
+                        "amp-bf16, fsdp-bf16, fp8-e4m3: each value against the dtype it is held in; a model read "
+                        "from its graph is captured under it) (default bf16; comma-separated list without MODEL, "
+                        "default fp16,amp-fp16,bf16,fp8-e4m3,fp32)")
     p.add_argument("--r0", type=nonnegative_float, default=None,
                    help="bound on the input norm ||X_0|| (default: a zoo model's input_radius(), else 1)")
     p.add_argument("--dt", type=positive_float, default=None,
@@ -108,7 +110,7 @@ def run_certify(args: argparse.Namespace) -> int:
         cm = as_certified(model, example_input=example, r0=args.r0, dt=args.dt, residual=residual)
         progress("certify (a model without certified blocks: captured with torch.export)")
         stack = cm.certificate(dtype)
-        report = cm.graph_report()
+        report = cm.graph_report(dtype)
         if not stack.ok:
             progress("fixes (each certified again)")
         fixes = [] if stack.ok else cm.fixes(dtype)

@@ -10,8 +10,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ._common import EXIT_NOT_CERTIFIED, add_quiet, command, dtype_list, int_at_least, nonnegative_float, progress_of
-from .zoo import DEFAULT_DTYPES
+from ._common import (
+    EXIT_NOT_CERTIFIED,
+    add_quiet,
+    command,
+    int_at_least,
+    nonnegative_float,
+    progress_of,
+    pure_dtype_list,
+)
+
+#: The dtypes of the before/after table (a conversion compares pure dtypes).
+DEFAULT_DTYPES = ("fp16", "bf16", "fp32")
 
 __all__ = ["add_arguments", "run_convert"]
 
@@ -20,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``certblocks convert``."""
     p.add_argument("model",
                    help="timm:NAME (e.g. timm:vit_tiny_patch16_224), hf:gpt2, hf:llama or hf:mamba (random weights)")
-    p.add_argument("--dtype", type=dtype_list, default=",".join(DEFAULT_DTYPES),
+    p.add_argument("--dtype", type=pure_dtype_list, default=",".join(DEFAULT_DTYPES),
                    help="comma-separated dtypes (default fp16,bf16,fp32)")
     p.add_argument("--remove-norms", action="store_true", help="also replace the residual branches' norms")
     p.add_argument("--layers", type=int_at_least(1), default=None,

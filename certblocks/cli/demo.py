@@ -7,7 +7,7 @@ from typing import Sequence
 
 from certblocks import exponents as ex
 
-from ._common import command, dtype_list
+from ._common import command, pure_dtype_list
 from .formatting import format_depth, render_table
 
 __all__ = ["REFERENCE_BLOCKS", "add_arguments", "run_demo"]
@@ -27,7 +27,7 @@ REFERENCE_BLOCKS = (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``certblocks demo``."""
-    p.add_argument("--dtype", type=dtype_list, default="fp16,bf16,fp32",
+    p.add_argument("--dtype", type=pure_dtype_list, default="fp16,bf16,fp32",
                    help="comma-separated dtypes (default fp16,bf16,fp32)")
     p.set_defaults(func=_run_command)
 

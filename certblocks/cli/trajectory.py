@@ -40,7 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", default=None, metavar="FILE",
                    help="torch.save'd input: a tensor, a tuple of positional arguments or a dict of keyword "
                         "arguments (default: the model's example input)")
-    p.add_argument("--dtype", type=dtype_list, default=["fp16"], help="the dtype whose limit is used (default fp16)")
+    p.add_argument("--dtype", type=dtype_list, default=["fp16"],
+                   help="the dtype whose limit is used, or a precision policy (amp-fp16: the batch runs under its "
+                        "autocast, each value against its own dtype's limit; default fp16)")
     p.add_argument("--seq-len", type=int_at_least(1), default=8,
                    help="tokens of the example input when there is no --batch (default 8)")
     p.add_argument("--steps", type=int_at_least(1), default=12, help="Lanczos steps per Jacobian at most (default 12)")

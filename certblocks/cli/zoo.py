@@ -18,7 +18,9 @@ from .formatting import format_exponents, format_number, render_table, verdict
 
 __all__ = ["DEFAULT_DTYPES", "add_arguments", "model_table", "run_certify_zoo", "run_zoo", "zoo_table"]
 
-DEFAULT_DTYPES = ("fp16", "bf16", "fp32")
+#: The columns of the zoo tables: the pure dtypes and the precision policies people train with (docs/theory.md
+#: section 7: ``amp-fp16`` is fp16 autocast with an fp32 stream, ``fp8-e4m3`` fp8 Linear inputs under bf16 autocast).
+DEFAULT_DTYPES = ("fp16", "amp-fp16", "bf16", "fp8-e4m3", "fp32")
 
 
 def _exponent_summary(cert: Any) -> str:
@@ -33,8 +35,8 @@ def _exponent_summary(cert: Any) -> str:
 def model_table(model: Any, dtypes: Sequence[str] = DEFAULT_DTYPES, *, markdown: bool = False) -> str:
     """A zoo model's certificate table.
 
-    One row per residual update (exponents, coefficients), then one row per dtype (certified depth, forward
-    and backward depths, final radius, gradient bound, first failure).
+    One row per residual update (exponents, coefficients), then one row per dtype or precision policy (certified
+    depth, forward and backward depths, final radius, gradient bound, first failure), then what each policy assumed.
     """
     from certblocks.model import as_certified
 
@@ -56,7 +58,10 @@ def model_table(model: Any, dtypes: Sequence[str] = DEFAULT_DTYPES, *, markdown:
     lip = "" if first.head is None else f" (head x loss gradient {first.loss_grad:.4g})"
     head = (f"r0 = {f3(first.r0)}, seq_len = {cm.seq_len}, dt = {first.dt:g}, "
             f"Lip(G) = {first.lip_g:g}{lip}")
-    return f"{head}\n\n{upd}\n\n{dt}" if markdown else f"{head}\n{upd}\n\n{dt}"
+    policies = [f"{c.precision.describe()}" + "".join(f"; {n}" for n in c.notes) for c in certs
+                if c.precision is not None and not c.precision.pure]
+    tail = "".join(f"\n\n{p}" if markdown else f"\n{p}" for p in policies)
+    return (f"{head}\n\n{upd}\n\n{dt}" if markdown else f"{head}\n{upd}\n\n{dt}") + tail
 
 
 def _build(name: str) -> Any:
@@ -95,7 +100,7 @@ def run_certify_zoo(dtypes: Sequence[str] = DEFAULT_DTYPES, *, names: Optional[S
     """Certify every zoo model and print its certificate table for each dtype, then a summary.
 
     Args:
-        dtypes: dtype names (default fp16, bf16, fp32).
+        dtypes: dtype names and precision policies (default :data:`DEFAULT_DTYPES`).
         names: the models (default: every registered model, test sizes excluded).
         markdown: Markdown tables (for the README).
         include_test: also the small test configurations.
@@ -105,11 +110,11 @@ def run_certify_zoo(dtypes: Sequence[str] = DEFAULT_DTYPES, *, names: Optional[S
     Returns:
         0 (the exit status; a model that is not certified is a result, not an error).
     """
-    from certblocks.budget import dtype_name
+    from certblocks.precision import as_precision
     from certblocks.zoo import list_models, model_entry
 
     out = stream or sys.stdout
-    dtypes = [dtype_name(d) for d in dtypes]
+    dtypes = [as_precision(d).name for d in dtypes]
     names = list(names) if names else list_models(include_test=include_test)
     built = {}
     for n in names:
@@ -134,7 +139,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``certblocks zoo``."""
     p.add_argument("pattern", nargs="?", default="*", help="glob over model names (default: all)")
     p.add_argument("--dtype", type=dtype_list, default=",".join(DEFAULT_DTYPES),
-                   help="comma-separated dtypes (default fp16,bf16,fp32)")
+                   help=f"comma-separated dtypes and precision policies (amp-fp16, amp-bf16, fsdp-bf16, fp8-e4m3; "
+                        f"default {','.join(DEFAULT_DTYPES)})")
     p.add_argument("--names-only", action="store_true", help="list the names and families, build nothing")
     p.add_argument("--detail", action="store_true", help="print each model's full certificate table")
     p.add_argument("--test", action="store_true", help="include the small test configurations")

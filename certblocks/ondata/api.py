@@ -13,6 +13,8 @@ from torch import Tensor, nn
 from .._validation import check_bool, check_int, check_real
 from ..budget import dtype_name, float_max
 from ..model import as_args, as_certified, envelope_paused, underlying, unwrap
+from ..precision import Precision, as_precision
+from ..trace.capture import torch_dtype
 from .graph import graph_steps
 from .power import LinearizedMap, dense_jacobian_norm, jacobian_spectral_norm
 from .report import HeadTrajectory, TrajectoryReport, UpdateTrajectory
@@ -36,7 +38,7 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
             m.training = t
 
 
-def trajectory(model: nn.Module, batch: Any, dtype: Union[str, torch.dtype], *, dt: Optional[float] = None,
+def trajectory(model: nn.Module, batch: Any, dtype: Union[str, torch.dtype, Precision], *, dt: Optional[float] = None,
                loss: LossArg = None, loss_gradient: Optional[float] = None, steps: int = 12, tol: float = 1e-2,
                certified: bool = True, dense_max: int = 256, logit_samples: int = 8,
                warm: Optional[Dict[str, Tensor]] = None, jacobians: bool = True) -> TrajectoryReport:
@@ -59,7 +61,12 @@ def trajectory(model: nn.Module, batch: Any, dtype: Union[str, torch.dtype], *, 
         model: the model.
         batch: its input: a tensor, a tuple of positional arguments, or a mapping of keyword arguments (a dict, HF
             ``BatchEncoding``; with the targets, a model that returns its loss gives the exact costate ``p_D``).
-        dtype: the dtype whose largest finite value ``M`` the headroom refers to (``"fp16"``, ``torch.bfloat16``...).
+        dtype: the dtype whose largest finite value ``M`` the headroom refers to (``"fp16"``, ``torch.bfloat16``...),
+            or a precision policy (:func:`certblocks.precision.as_precision`): with autocast (``"amp-fp16"``) the
+            forward runs under ``torch.autocast(device_type, dtype)`` of the policy unless the caller's autocast is
+            already on, and each recorded value counts against its own dtype's ``M`` (a float32 stream against
+            float32's, float16 matmul outputs against 65504), the backward against the policy's narrowest dtype;
+            the report's ``dtype`` is that narrowest dtype and its notes name the policy.
         dt: the residual step; ``None`` (default): the model's own (a ``CertifiedStack``'s ``dt``; 1 for a zoo model
             and for updates found in a graph, whose velocity already holds any step).  A different value raises.
         loss: ``loss(output) -> scalar``, ``output`` the model's main output (its first floating-point tensor
@@ -96,7 +103,8 @@ def trajectory(model: nn.Module, batch: Any, dtype: Union[str, torch.dtype], *, 
                               warm=warm, jacobians=jacobians)
 
 
-def trajectory_of_call(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], dtype: Union[str, torch.dtype],
+def trajectory_of_call(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                       dtype: Union[str, torch.dtype, Precision],
                        *, dt: Optional[float] = None, loss: LossArg = None, loss_gradient: Optional[float] = None,
                        steps: int = 12, tol: float = 1e-2, certified: bool = True, dense_max: int = 256,
                        logit_samples: int = 8, warm: Optional[Dict[str, Tensor]] = None,
@@ -112,10 +120,12 @@ def trajectory_of_call(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str
     cm = as_certified(model)
     inner = cm.module
     assert inner is not None
-    name = dtype_name(dtype)
+    prec = as_precision(dtype)
+    name = prec.narrowest  # the pure dtype's; a policy's narrowest: each value is read against its own dtype's M
     _check_options(loss, loss_gradient, steps, tol, dense_max, logit_samples)
     check_bool("jacobians", jacobians, optional=True)
-    with envelope_paused(), eval_mode(inner):
+    run, note = _policy_run(prec, inner, args, kwargs)
+    with envelope_paused(), eval_mode(inner), run:
         if cm.stack_forward:
             _check_dt(dt, cm.dt, type(inner).__name__)
             certs, head_cert, notes = _module_certificates(cm, certified)
@@ -129,7 +139,28 @@ def trajectory_of_call(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str
         rep = evaluate(src, name, model=type(inner).__name__, steps=steps, tol=tol,
                        dense_max=dense_max if certified else 0, warm=warm, jacobians=jacobians)
     rep.seconds = time.perf_counter() - t0
+    if note:
+        rep.notes.append(note)
     return rep
+
+
+def _policy_run(prec: Precision, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+                ) -> Tuple[Any, str]:
+    """The context a trajectory under ``prec`` runs in (its autocast, unless the caller's is on), and a note naming
+    the policy (``""`` for a pure dtype)."""
+    if prec.pure:
+        return contextlib.nullcontext(), ""
+    device = next((t.device.type for t in (*module.parameters(), *module.buffers())), None) or next(
+        (a.device.type for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), "cpu")
+    if prec.autocast_dtype is None:
+        return contextlib.nullcontext(), (f"precision {prec.describe()}: the batch ran as given (its parameters and "
+                                          "inputs are not cast here); each value is read against its own dtype's M")
+    low = torch_dtype(prec.autocast_dtype)
+    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == low:
+        return contextlib.nullcontext(), (f"precision {prec.describe()}: ran under the caller's autocast; each value "
+                                          "is read against its own dtype's M")
+    return torch.autocast(device, dtype=low), (f"precision {prec.describe()}: ran under torch.autocast({device!r}, "
+                                               f"{low}); each value is read against its own dtype's M")
 
 
 def _check_options(loss: Any, loss_gradient: Any, steps: Any, tol: Any, dense_max: Any, logit_samples: Any) -> None:

@@ -2,7 +2,9 @@
 
 :func:`search` runs every check a certificate states and returns the :class:`~certblocks.testing.SoundnessReport`;
 :func:`assert_sound` raises on a counterexample; :func:`search_growth`, :func:`search_jacobian` and
-:func:`search_peak` run one check with its own settings.
+:func:`search_peak` run one check with its own settings.  :func:`search_held` runs the velocity under a precision
+policy (autocast on the CPU too) and checks every value against the bound of the dtype it is held in and that
+dtype's ``M``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from ..certificate import BlockCertificate
 from ._constants import _DEFAULT_COUNT, CHECKS, DEFAULT_RADII, DEFAULT_RTOL, FAMILIES, Device, Example, Velocity
 from .inputs import _check_count, _check_radius, _check_shape, _on_sphere, _unit_tokens, random_inputs, token_norm
 from .jacobian import _jacobian_lower, _jvp, _resolve_jvp
-from .record import _record
+from .record import _record, held_intermediates
 from .results import CheckResult, SoundnessReport, _Best
 
 
@@ -341,3 +343,113 @@ def assert_sound(v: Velocity, certificate: BlockCertificate, example: Example, *
         err.report = report  # type: ignore[attr-defined]
         raise err
     return report
+
+
+#: The rounding allowance of :func:`search_held`: the bounds are exact-arithmetic bounds and a value held in a low
+#: dtype is rounded at every op (bf16 keeps 8 significant bits: up to ``2^-8`` of a value per rounding).
+HELD_RTOL: float = 2.0**-5
+
+
+def search_held(v: Velocity, certificate: BlockCertificate, example: Example, precision: Any, *,
+                radii: Iterable[float] = DEFAULT_RADII, count: int = 32, restarts: int = 3, from_best: int = 1,
+                steps: int = 20, lr: float = 0.1, seed: int = 0, device: Device = None,
+                families: Sequence[str] = FAMILIES, rtol: float = HELD_RTOL) -> CheckResult:
+    """Search for ``x`` at which a value ``v`` computes, run under a precision policy, exceeds the bound of the dtype
+    it is held in, or overflows that dtype (docs/theory.md section 7).
+
+    ``v`` runs as the policy runs it: a module's floating parameters cast to the policy's parameter dtype (on a
+    copy), the inputs in its stream dtype, under ``torch.autocast(device_type, dtype)`` when the policy has autocast.
+    Every tensor it computes from ``x``, and every input autocast casts into a narrower dtype, is recorded with its
+    dtype (:func:`~certblocks.testing.record.held_intermediates`) and compared with the certificate's peak of that
+    dtype at ``||x||`` (:attr:`~certblocks.certificate.BlockCertificate.peaks` read under the policy; a certificate
+    without them, or a dtype it did not see: its :attr:`~certblocks.certificate.BlockCertificate.peak`, the bound of
+    every value).  A value that is not finite (an overflow) is a ratio ``inf``.  Random draws at each radius, then
+    Adam ascents on the largest ratio, as :func:`search_peak`.
+
+    Args:
+        v: the velocity (a module, or a callable that applies the policy's casts itself).
+        certificate: its certificate, traced under the policy for its per-dtype peaks
+            (``certblocks.certify(v, x, residual=None, precision=...)``).
+        example: one sample's shape, or an example batch.
+        precision: the policy (:func:`certblocks.precision.as_precision`).
+        rtol: the rounding allowance (:data:`HELD_RTOL`): the bounds hold in exact arithmetic.
+        radii, count, restarts, from_best, steps, lr, seed, device, families: as :func:`search`.
+
+    Returns:
+        The worst case (check ``"held"``; ``where`` names the dtype).
+    """
+    from ..precision import as_precision
+    from ..trace.capture import torch_dtype
+
+    if not isinstance(certificate, BlockCertificate):
+        raise TypeError(f"certificate must be a BlockCertificate, got {type(certificate).__name__}")
+    if certificate.peak is None:
+        raise ValueError(f"the certificate {certificate.name!r} states no peak")
+    prec = as_precision(precision)
+    stream, param = torch_dtype(prec.stream_dtype), torch_dtype(prec.param_dtype)
+    held = certificate.held_peaks(prec.name) or {}
+    module = v
+    if isinstance(module, nn.Module) and any(p.is_floating_point() and p.dtype != param for p in module.parameters()):
+        module = copy.deepcopy(module).requires_grad_(False)
+        for p in module.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(param)
+
+    def run(x: Tensor) -> Tensor:
+        if prec.autocast_dtype is None:
+            return module(x)  # type: ignore[misc,operator]
+        with torch.autocast(x.device.type, dtype=torch_dtype(prec.autocast_dtype)):
+            return module(x)  # type: ignore[misc,operator]
+
+    s = _prepare(run, example, stream, False, device, radii=tuple(radii), count=count, restarts=restarts,
+                 from_best=from_best, steps=steps, lr=lr, power_iters=0, seed=seed, families=tuple(families),
+                 jvp="auto", rtol=rtol)
+
+    gen = torch.Generator().manual_seed(seed)
+    best = _Best("held", rtol)
+    where = {"dtype": ""}
+
+    def score(x: Tensor, r: float) -> Tuple[Tensor, bool]:
+        """Per-sample largest ratio over the dtypes (differentiable); records the worst; False on a non-finite."""
+        rec = held_intermediates(run, x)
+        per_sample, finite = [], True
+        for dt, (total, each) in rec.items():
+            name = _dtype_label(dt)
+            peak = held.get(name, certificate.peak) if name else certificate.peak
+            bound = peak.bound(r)
+            rr = _ratio(each.detach(), bound)
+            rt = _ratio(total.detach().reshape(1), bound)  # tensors without the batch dimension too (the batch's)
+            if max(float(rr.max()), float(rt)) > best.ratio:
+                where["dtype"] = name or str(dt)
+            best.update(rr, each, bound, r, x)
+            best.update(rt, total.reshape(1), bound, r, x[:1], counted=False)
+            finite = finite and bool(torch.isfinite(rr).all()) and bool(torch.isfinite(rt).all())
+            per_sample.append(each / (bound if bound > 0 else 1.0))
+        if not per_sample:
+            return torch.zeros(x.shape[0], dtype=torch.float64, device=x.device), True
+        return torch.stack(per_sample).amax(dim=0), finite
+
+    for r in s.radii:
+        x = _draws(s, r, s.count, gen)
+        if s.example is not None:
+            x = torch.cat([x, _on_sphere(s.example, r)])
+        ranks, finite = score(x, r)
+        if not finite or r == 0.0:
+            continue
+        z0 = torch.cat([_draws(s, 1.0, s.restarts, gen), x[_top(ranks, s.from_best)]])
+        if not z0.shape[0]:
+            continue
+        z = _on_sphere(z0, math.sqrt(s.shape[-1])).detach().requires_grad_(True)
+        _ascend([z], lambda r=r, z=z: score(_on_sphere(z, r), r), s.steps, s.lr)
+    out = best.result()
+    return CheckResult(out.check, out.ratio, out.value, out.bound, out.radius, out.input, None, out.evaluations,
+                       rtol, where["dtype"])
+
+
+def _dtype_label(dt: torch.dtype) -> str:
+    from ..budget import dtype_name
+
+    try:
+        return dtype_name(dt)
+    except (TypeError, ValueError):
+        return ""

@@ -26,14 +26,16 @@ class _Recorder(TorchFunctionMode):
 
     active: List[_Recorder] = []  # the recording modes, innermost last
 
-    def __init__(self, x: Tensor, differentiable: bool = True) -> None:
+    def __init__(self, x: Tensor, differentiable: bool = True, casts: bool = False) -> None:
         super().__init__()
         self.x, self.batch, self.paused = x, x.shape[0], 0
         self.differentiable = differentiable  # False: the recorded maxima carry no graph (no float64 copy kept)
+        self.casts = casts  # also the casts autocast makes of a call's inputs (:func:`held_intermediates`)
         self.reach: Dict[Any, bool] = {}  # autograd node -> whether it reaches x
         self.values: List[Tensor] = []  # one scalar per recorded tensor
         self.samples: List[Tensor] = []  # (B,) per recorded tensor whose first dimension is the batch
         self.dtypes: List[torch.dtype] = []  # the dtype of each recorded tensor (aligned with values)
+        self.sample_dtypes: List[torch.dtype] = []  # the dtype of each per-sample record (aligned with samples)
 
     def __enter__(self) -> _Recorder:
         _Recorder.active.append(self)
@@ -71,18 +73,37 @@ class _Recorder(TorchFunctionMode):
     def _record(self, out: Any) -> None:
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, Tensor) and t.is_floating_point() and t.numel() and self.depends(t):
-                a = t.masked_fill(t <= torch.finfo(t.dtype).min / 4, 0.0).abs().to(torch.float64)
-                if t.dim() and t.shape[0] == self.batch:
-                    self.samples.append(a.reshape(self.batch, -1).amax(dim=1))
-                    self.values.append(self.samples[-1].amax())
-                else:
-                    self.values.append(a.amax())
-                self.dtypes.append(t.dtype)
+                self._add(t)
+
+    def _add(self, t: Tensor) -> None:
+        a = t.masked_fill(t <= torch.finfo(t.dtype).min / 4, 0.0).abs().to(torch.float64)
+        if t.dim() and t.shape[0] == self.batch:
+            self.samples.append(a.reshape(self.batch, -1).amax(dim=1))
+            self.sample_dtypes.append(t.dtype)
+            self.values.append(self.samples[-1].amax())
+        else:
+            self.values.append(a.amax())
+        self.dtypes.append(t.dtype)
+
+    def record_casts(self, args: Any, kwargs: Any, out: Any) -> None:
+        """The inputs of a call that autocast cast into its narrower output dtype (docs/theory.md section 7: a cast of
+        an fp32 value to fp16 overflows at 65504): each such input as cast, recorded in that dtype."""
+        outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, Tensor) and t.is_floating_point()]
+        if not outs or not torch.is_autocast_enabled(outs[0].device.type):
+            return
+        low = min((t.dtype for t in outs), key=lambda d: torch.finfo(d).max)
+        with contextlib.nullcontext() if self.differentiable else torch.no_grad():
+            for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+                if (isinstance(t, Tensor) and t.is_floating_point() and t.numel()
+                        and torch.finfo(t.dtype).max > torch.finfo(low).max and self.depends(t)):
+                    self._add(t.to(low))
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if not self.paused:
             self.record(out)
+            if self.casts:
+                self.record_casts(args, kwargs, out)
         return out
 
 
@@ -109,12 +130,13 @@ def as_atom(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
-def _run(f: Velocity, x: Tensor, differentiable: bool = True) -> Tuple[_Recorder, Tensor, Any]:
+def _run(f: Velocity, x: Tensor, differentiable: bool = True, casts: bool = False) -> Tuple[_Recorder, Tensor, Any]:
     """``f(x)`` under a recorder (``x`` made to require grad so that dependence is seen): the recorder, ``x`` and
-    the output (with its autograd graph); ``differentiable``: the recorded maxima too."""
+    the output (with its autograd graph); ``differentiable``: the recorded maxima too; ``casts``: autocast's casts
+    of the calls' inputs too."""
     if not x.requires_grad:
         x = x.detach().requires_grad_(True)
-    with torch.enable_grad(), _Recorder(x, differentiable) as mode:
+    with torch.enable_grad(), _Recorder(x, differentiable, casts) as mode:
         out = f(x)
         mode.record(out)
     return mode, x, out
@@ -127,6 +149,26 @@ def _record(f: Velocity, x: Tensor) -> Tuple[Tensor, Tensor]:
     zero = torch.zeros((), dtype=torch.float64, device=x.device)
     total = torch.stack(mode.values).amax() if mode.values else zero
     return total, torch.stack(mode.samples).amax(dim=0) if mode.samples else zero.expand(x.shape[0])
+
+
+def held_intermediates(f: Velocity, x: Tensor) -> Dict[torch.dtype, Tuple[Tensor, Tensor]]:
+    """Every tensor ``f`` computes from ``x`` by the dtype it is held in, run as the caller runs it (under a policy's
+    autocast: every call's output, and each input autocast casts into a narrower dtype, recorded as cast).
+
+    Returns:
+        ``{dtype: (largest |entry|, per-sample largest (B,))}``, float64 and differentiable with respect to ``x`` (NaN
+        reads as ``inf``; a dtype with no per-sample tensor has the batch's value for every sample).
+    """
+    mode, x, _ = _run(f, x, casts=True)
+    out: Dict[torch.dtype, Tuple[Tensor, Tensor]] = {}
+    for dt in dict.fromkeys(mode.dtypes):
+        vals = [v for v, d in zip(mode.values, mode.dtypes) if d == dt]
+        total = torch.nan_to_num(torch.stack(vals).amax(), nan=math.inf, posinf=math.inf)
+        per = [s for s, d in zip(mode.samples, mode.sample_dtypes) if d == dt]
+        each = (torch.nan_to_num(torch.stack(per).amax(dim=0), nan=math.inf, posinf=math.inf) if per
+                else total.expand(x.shape[0]))
+        out[dt] = (total, each)
+    return out
 
 
 def intermediate_peaks(f: Velocity, x: Tensor) -> Tuple[float, Dict[torch.dtype, float]]:

@@ -10,9 +10,10 @@ from torch import nn
 
 from .._validation import check_finite
 from ..certificate import BlockCertificate
-from .capture import CapturedGraph, capture
+from ..precision import as_precision
+from .capture import CapturedGraph, capture, held_dtype
 from .chain import Chain, certify_outputs, model_chain, segment_name
-from .collapse import coefficients, peak
+from .collapse import coefficients, held_peaks, peak
 from .diagnosis import culprit
 from .interp import VelocityInterpreter
 from .nodes import op_name
@@ -24,8 +25,15 @@ from .residual import dedupe_names, find_residual_updates, module_velocities, ve
 __all__ = ["certify", "certify_velocity", "find_residual_updates"]
 
 
-def certify_velocity(g: CapturedGraph, x: torch.fx.Node, out: torch.fx.Node, name: str = "") -> TraceCertificate:
-    """Certify the velocity ``x -> out`` of a captured graph."""
+def certify_velocity(g: CapturedGraph, x: torch.fx.Node, out: torch.fx.Node, name: str = "",
+                     state: Optional[torch.fx.Node] = None) -> TraceCertificate:
+    """Certify the velocity ``x -> out`` of a captured graph.
+
+    Under a mixed precision policy (``g.precision``; docs/theory.md section 7) the certificate carries the peak of
+    the values held in each dtype (:func:`~certblocks.trace.collapse.held_peaks`) and the dtype of ``state``, the
+    segment's output state (default ``out``): a certified block's own certificate carries no per-dtype peaks (its
+    intermediates' dtypes are not known one by one: the chain bounds them against the narrowest dtype).
+    """
     it = VelocityInterpreter(g, x, out)
     res = it.run()
     co = coefficients(res)
@@ -35,6 +43,11 @@ def certify_velocity(g: CapturedGraph, x: torch.fx.Node, out: torch.fx.Node, nam
     own = own_certificate(g, x, out, name, it.notes)  # one call of a certified block: its own certificate, exactly
     if own is not None:
         cert, text, fix = own, own.culprit or text, own.fix or fix
+    prec = g.precision
+    if prec is not None and not prec.pure:
+        held = held_dtype(g, out if state is None else state) or ""
+        cert = replace(cert, precision=prec.name, state_dtype=held,
+                       peaks=None if own is not None else held_peaks(it), peaks_of=None)
     rows = []
     for n in it.order:
         av = it.value_of(n.name)
@@ -57,7 +70,8 @@ def _velocity_notes(certs: Sequence[TraceCertificate]) -> List[str]:
 
 
 def certify(module: nn.Module, example_input: Any, *, residual: Union[str, Sequence[str], None, bool] = "auto",
-            kwargs: Optional[Dict[str, Any]] = None) -> Union[TraceCertificate, ModelCertificate]:
+            kwargs: Optional[Dict[str, Any]] = None, precision: Any = None
+            ) -> Union[TraceCertificate, ModelCertificate]:
     """Certify a module from its graph (captured with ``torch.export``).
 
     Args:
@@ -71,6 +85,13 @@ def certify(module: nn.Module, example_input: Any, *, residual: Union[str, Seque
             (its first floating-point input to its first output).  A module path or glob pattern
             (``"blocks.*.attn"``), or a list of them: each matching module is a velocity of its own input.
         kwargs: extra keyword arguments for the forward.
+        precision: a precision policy to capture the module under (:func:`certblocks.precision.as_precision`:
+            ``"amp-fp16"``, ``"amp-bf16"``, ``"fsdp-bf16"``, ``"fp8-e4m3"``, a
+            :class:`~certblocks.precision.Precision`): autocast on the module's device type, parameters and
+            inputs cast as the policy holds them, each node's dtype read from the captured graph; every certificate
+            then carries the peak of the values held in each dtype, and ``.stack(precision)`` checks each against
+            its dtype's ``M`` (docs/theory.md section 7).  ``None`` or a pure dtype: the module as it is (a pure
+            dtype's certificate checks every value against that dtype's ``M``).
 
     Returns:
         A :class:`TraceCertificate` for a single velocity, or a :class:`ModelCertificate` listing the
@@ -87,7 +108,8 @@ def certify(module: nn.Module, example_input: Any, *, residual: Union[str, Seque
     kw.update(kwargs or {})
     if isinstance(module, nn.Module):
         check_finite(module)  # names a NaN/inf weight by its path, instead of a certificate computed from it
-    g = capture(module, args, kw)
+    prec = None if precision is None else as_precision(precision)
+    g = capture(module, args, kw, precision=None if prec is None or prec.pure else prec)
     model_name = type(module).__name__
     if residual is None or residual is False:
         return _whole(g, model_name)
@@ -97,10 +119,11 @@ def certify(module: nn.Module, example_input: Any, *, residual: Union[str, Seque
             return _whole(g, model_name)
         chain = model_chain(g, ups)
         if chain is None or not chain.segments:
-            certs = [certify_velocity(g, x, f, velocity_name(g, f, add) or f"update {k}")
+            certs = [certify_velocity(g, x, f, velocity_name(g, f, add) or f"update {k}", state=add)
                      for k, (x, f, add) in enumerate(ups)]
             dedupe_names(certs)
-            return ModelCertificate(certs, model_name, g.strict, notes=(chain.notes if chain is not None else [
+            return ModelCertificate(certs, model_name, g.strict, precision=_policy(g), notes=(
+                chain.notes if chain is not None else [
                 "the residual updates do not lie on one path from an input to an output (two stacks side by "
                 "side, an encoder and a decoder): the maps between them, the stem and the head are not "
                 "certified"]) + _velocity_notes(certs))
@@ -110,7 +133,7 @@ def certify(module: nn.Module, example_input: Any, *, residual: Union[str, Seque
     if not isinstance(residual, (list, tuple)) or not all(isinstance(p, str) for p in residual):
         raise TypeError(f"residual must be 'auto', None, a module path/pattern or a list of them, got {residual!r}")
     certs = [certify_velocity(g, x, o, p) for p, x, o in module_velocities(g, residual)]
-    return ModelCertificate(certs, model_name, g.strict)  # each velocity's notes are on its certificate
+    return ModelCertificate(certs, model_name, g.strict, precision=_policy(g))  # each velocity's notes: its own
 
 
 def _certify_chain(g: CapturedGraph, chain: Chain, model_name: str) -> ModelCertificate:
@@ -120,7 +143,8 @@ def _certify_chain(g: CapturedGraph, chain: Chain, model_name: str) -> ModelCert
     for k, seg in enumerate(chain.segments):
         if seg.kind == "update":
             assert seg.velocity is not None
-            tc = certify_velocity(g, seg.start, seg.velocity, velocity_name(g, seg.velocity, seg.end) or f"update {k}")
+            tc = certify_velocity(g, seg.start, seg.velocity, velocity_name(g, seg.velocity, seg.end) or f"update {k}",
+                                  state=seg.end)
         else:
             tc = certify_velocity(g, seg.start, seg.end, segment_name(g, seg))
             tc.certificate = replace(tc.certificate, kind="block" if seg.kind == "block" else "map")
@@ -133,9 +157,14 @@ def _certify_chain(g: CapturedGraph, chain: Chain, model_name: str) -> ModelCert
     dedupe_names(body)
     updates = [tc for tc in body if tc.certificate.is_update]
     every = ([stem] if stem is not None else []) + body + ([head] if head is not None else [])
-    return ModelCertificate(updates, model_name, g.strict, segments=body, stem=stem, head=head,
+    return ModelCertificate(updates, model_name, g.strict, segments=body, stem=stem, head=head, precision=_policy(g),
                             integer_input=chain.integer_input, notes=list(chain.notes) + _velocity_notes(every),
                             chained=True, outputs=certify_outputs(g, chain))
+
+
+def _policy(g: CapturedGraph) -> str:
+    """The name of the mixed policy ``g`` was captured under (``""``: none)."""
+    return g.precision.name if g.precision is not None and not g.precision.pure else ""
 
 
 def _whole(g: CapturedGraph, model_name: str) -> TraceCertificate:

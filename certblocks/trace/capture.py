@@ -3,11 +3,19 @@
 :func:`capture` exports a module (first ``strict=False``, then ``strict=True``), runs the
 exported graph once on the example input keeping every node's value (constants of a velocity
 are read from this run), and records module paths from the ``nn_module_stack`` metadata.
+
+Under a precision policy (``precision=``, :mod:`certblocks.precision`; docs/theory.md section 7) the module is
+captured as the policy runs it: parameters and floating inputs cast to the policy's dtypes, and with autocast the
+graph is exported inside ``torch.autocast(device_type, dtype)`` and lowered again under it
+(``run_decompositions``), which writes autocast's casts into the graph as explicit ``aten._to_copy`` nodes carrying
+the module stack of the op that reads them.  The concrete run of that graph (outside autocast) holds each node's
+value in the dtype the policy holds it in: :func:`held_dtype` reads it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import inspect
 import io
@@ -17,7 +25,10 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import nn
 
-__all__ = ["CapturedGraph", "capture", "CaptureError"]
+from ..budget import dtype_name
+from ..precision import Precision, as_precision
+
+__all__ = ["CapturedGraph", "capture", "CaptureError", "held_dtype", "torch_dtype"]
 
 _PREFIX = "inner."
 
@@ -69,14 +80,18 @@ class CapturedGraph:
         user_inputs: the placeholder nodes of the user inputs (flattened).
         outputs: the output nodes (flattened).
         params: placeholder name -> state_dict name of parameters/buffers/constants.
-        root: the module that was captured.
+        root: the module that was captured (under a policy that casts the parameters: the cast copy).
         strict: the ``strict`` flag that succeeded.
+        precision: the :class:`~certblocks.precision.Precision` the graph was captured under (``None``: as the
+            module is, every node in the dtype its own run gives).
     """
 
-    def __init__(self, ep: Any, root: nn.Module, flat_inputs: Sequence[Any], strict: bool) -> None:
+    def __init__(self, ep: Any, root: nn.Module, flat_inputs: Sequence[Any], strict: bool,
+                 precision: Optional[Precision] = None) -> None:
         self.ep = ep
         self.root = root
         self.strict = strict
+        self.precision = precision
         self.graph = ep.graph_module.graph
         self.nodes: List[torch.fx.Node] = list(self.graph.nodes)
         self.index = {n.name: i for i, n in enumerate(self.nodes)}
@@ -110,7 +125,9 @@ class CapturedGraph:
                 env[n.name] = r
                 return r
 
-        with torch.no_grad():
+        # a graph captured under a policy holds its casts as nodes: run it as written (a caller's autocast would cast
+        # again); one captured as the module is runs in the caller's autocast, as the module would
+        with torch.no_grad(), _no_autocast() if precision is not None else contextlib.nullcontext():
             _Rec(ep.graph_module, garbage_collect_values=False).run(*args)
         # ancestor bitsets (node i -> int with bit j set when node j is an ancestor-or-self)
         self._anc: Optional[List[int]] = None
@@ -184,6 +201,38 @@ class CapturedGraph:
 
     def param_name(self, n: Any) -> Optional[str]:
         return self.params.get(n.name) if isinstance(n, torch.fx.Node) else None
+
+    def dtype_of(self, n: Any, index: int = 0) -> Optional[str]:
+        """:func:`held_dtype` of ``n`` in this graph."""
+        return held_dtype(self, n, index)
+
+
+def held_dtype(g: CapturedGraph, n: Any, index: int = 0) -> Optional[str]:
+    """The dtype a node's value is held in, under the policy ``g`` was captured under (``g.precision``).
+
+    Read from the node's concrete value in the captured run (docs/theory.md section 7: the graph tells, not a list of
+    ops): under ``amp-fp16`` a ``linear`` node is ``"fp16"``, the residual add of an fp32 stream and an fp16 branch
+    ``"fp32"``, an autocast cast ``aten._to_copy`` of an fp32 value ``"fp16"``.
+
+    Args:
+        g: the captured graph.
+        n: a node of it (or its name).
+        index: for a node with several outputs (``split``, ``native_layer_norm``), which one.
+
+    Returns:
+        The canonical dtype name (``"fp16"``, ``"bf16"``, ``"fp32"``, ...; a complex value: its parts'), or ``None``
+        for a value that is not a floating tensor (integers, booleans, ``None``) or one certblocks has no range for.
+    """
+    name = n.name if isinstance(n, torch.fx.Node) else n
+    v = g.env.get(name)
+    if isinstance(v, (tuple, list)):
+        v = v[index] if 0 <= index < len(v) else None
+    if not isinstance(v, torch.Tensor) or not (v.is_floating_point() or v.is_complex()):
+        return None
+    try:
+        return dtype_name(v.dtype.to_real() if v.is_complex() else v.dtype)
+    except ValueError:  # a floating dtype certblocks has no range for
+        return None
 
 
 def _strip_prefix(path: str) -> str:
@@ -265,7 +314,7 @@ def _export_key(module: nn.Module, leaves: Sequence[Any], spec: Any) -> Tuple[An
 
 
 def capture(module: nn.Module, args: Tuple[Any, ...], kwargs: Optional[Dict[str, Any]] = None, *,
-            cache: Optional[Dict[Any, Any]] = None) -> CapturedGraph:
+            cache: Optional[Dict[Any, Any]] = None, precision: Any = None) -> CapturedGraph:
     """Export ``module`` on ``args``/``kwargs`` and run the graph once.
 
     HF models get ``use_cache=False`` when their forward accepts it.  Raises
@@ -274,11 +323,16 @@ def capture(module: nn.Module, args: Tuple[Any, ...], kwargs: Optional[Dict[str,
     Args:
         cache: a dict that keeps exported programs across calls (a monitor's checks): a call whose inputs have the
             same shapes, dtypes and other arguments, on the same modules, parameters (by identity: values
-            updated in place are read again), autocast and grad mode, runs the program already exported instead
-            of exporting again.  It keeps the last 4 programs.
+            updated in place are read again), autocast, grad mode and policy, runs the program already exported
+            instead of exporting again.  It keeps the last 4 programs.
+        precision: a precision policy (anything :func:`certblocks.precision.as_precision` accepts) to capture the
+            module under (module docstring): parameters whose dtype differs from the policy's are cast on a copy of
+            the module (the module itself is not changed), floating inputs are cast to the stream's dtype, and
+            under autocast the casts are nodes of the graph.  ``None``: the module as it is.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    prec = None if precision is None else as_precision(precision)
     kwargs = dict(kwargs or {})
     try:
         params = inspect.signature(module.forward).parameters
@@ -287,33 +341,107 @@ def capture(module: nn.Module, args: Tuple[Any, ...], kwargs: Optional[Dict[str,
     if "use_cache" in params and "use_cache" not in kwargs:
         kwargs["use_cache"] = False
     leaves, spec = torch.utils._pytree.tree_flatten((tuple(args), kwargs))
-    key = _export_key(module, leaves, spec) if cache is not None else None
+    device = _device_type(module, leaves)
+    if prec is not None:
+        module = _with_params(module, prec)
+        leaves = [_cast_input(x, prec) for x in leaves]
+        args, kwargs = torch.utils._pytree.tree_unflatten(leaves, spec)
+    key = _export_key(module, leaves, spec) + (None if prec is None else (prec, device),) if cache is not None else None
     if cache is not None and key in cache:
         ep, strict = cache[key]
-        return CapturedGraph(ep, module, _user_leaves(ep, leaves), strict)
+        return CapturedGraph(ep, module, _user_leaves(ep, leaves), strict, prec)
     wrapper = _Wrapper(module)
     errors = []
-    for strict in (False, True):
-        try:
-            with _quiet_torch_logs():
-                ep = torch.export.export(wrapper, tuple(args), kwargs=kwargs, strict=strict)
-            break
-        except Exception as exc:  # report both attempts
-            errors.append(f"strict={strict}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-    else:
-        raise CaptureError(f"torch.export could not capture {type(module).__name__}; " + " | ".join(errors))
-    if _has_mutation(ep):
-        # in-place ops (x += y, relu_) break dataflow reasoning: functionalize (no decomposition)
-        try:
-            ep = ep.run_decompositions({})
-        except Exception as exc:
-            raise CaptureError(f"the graph of {type(module).__name__} has in-place ops and could not be "
-                               f"functionalized: {type(exc).__name__}: {exc}") from exc
+    with _autocast(prec, device):
+        for strict in (False, True):
+            try:
+                with _quiet_torch_logs():
+                    ep = torch.export.export(wrapper, tuple(args), kwargs=kwargs, strict=strict)
+                break
+            except Exception as exc:  # report both attempts
+                errors.append(f"strict={strict}: {type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''}")
+        else:
+            raise CaptureError(f"torch.export could not capture {type(module).__name__}; " + " | ".join(errors))
+        autocast = prec is not None and prec.autocast_dtype is not None
+        if autocast or _has_mutation(ep):
+            # in-place ops (x += y, relu_) break dataflow reasoning: functionalize (no decomposition); under autocast
+            # the lowering runs inside it, and autocast's casts become explicit _to_copy nodes
+            try:
+                with _quiet_torch_logs():
+                    ep = ep.run_decompositions({})
+            except Exception as exc:
+                what = "be lowered under autocast" if autocast else "has in-place ops and could not be functionalized"
+                raise CaptureError(f"the graph of {type(module).__name__} could not {what}: "
+                                   f"{type(exc).__name__}: {exc}") from exc
     if cache is not None:
         while len(cache) >= 4:
             cache.pop(next(iter(cache)))
         cache[key] = (ep, strict)
-    return CapturedGraph(ep, module, _user_leaves(ep, leaves), strict)
+    return CapturedGraph(ep, module, _user_leaves(ep, leaves), strict, prec)
+
+
+_TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a canonical name (``"fp16"`` -> ``torch.float16``; fp8 formats too)."""
+    name = dtype_name(name)
+    if name in _TORCH_DTYPES:
+        return _TORCH_DTYPES[name]
+    attr = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "fp8_e4m3fnuz": "float8_e4m3fnuz",
+            "fp8_e5m2fnuz": "float8_e5m2fnuz"}[name]
+    return getattr(torch, attr)
+
+
+def _device_type(module: nn.Module, leaves: Sequence[Any]) -> str:
+    """The device type the module runs on (its first parameter's or buffer's, else its first tensor input's)."""
+    for t in (*module.parameters(), *module.buffers()):
+        return t.device.type
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            return x.device.type
+    return "cpu"
+
+
+def _with_params(module: nn.Module, prec: Precision) -> nn.Module:
+    """``module``, or a copy of it whose floating parameters are cast to the policy's parameter dtype (FSDP's
+    ``param_dtype``; buffers are kept, as FSDP keeps them)."""
+    dt = torch_dtype(prec.param_dtype)
+    if all(p.dtype == dt for p in module.parameters() if p.is_floating_point()):
+        return module
+    copy_ = copy.deepcopy(module)
+    with torch.no_grad():
+        for p in copy_.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(dt)
+    return copy_
+
+
+def _cast_input(x: Any, prec: Precision) -> Any:
+    """A floating tensor input in the policy's stream dtype (FSDP's ``cast_forward_inputs``); anything else as is."""
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return x.to(torch_dtype(prec.stream_dtype))
+    return x
+
+
+@contextlib.contextmanager
+def _no_autocast() -> Iterator[None]:
+    """Autocast off on the CPU and, where there is one, on CUDA."""
+    with contextlib.ExitStack() as stack:
+        for dev in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+            stack.enter_context(torch.autocast(dev, enabled=False))
+        yield
+
+
+@contextlib.contextmanager
+def _autocast(prec: Optional[Precision], device: str) -> Iterator[None]:
+    """``torch.autocast(device, dtype)`` of the policy (nothing without one)."""
+    if prec is None or prec.autocast_dtype is None:
+        yield
+        return
+    with torch.autocast(device, dtype=torch_dtype(prec.autocast_dtype)):
+        yield
 
 
 def _user_leaves(ep: Any, leaves: List[Any]) -> List[Any]:

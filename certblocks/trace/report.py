@@ -175,6 +175,9 @@ class ModelCertificate:
             certified).
         outputs: the model's other outputs (a second head, auxiliary logits), each certified as a map from the input
             of the segment (or head) it is computed from; :meth:`chain` folds each into that segment's peak.
+        precision: the name of the mixed precision policy the graph was captured under (``""``: the model as it
+            is); its segments' certificates then carry the peak of the values held in each dtype, which
+            :meth:`stack` in that policy checks each against its dtype's ``M`` (docs/theory.md section 7).
     """
 
     updates: List[TraceCertificate]
@@ -187,6 +190,7 @@ class ModelCertificate:
     notes: List[str] = field(default_factory=list)
     chained: bool = False
     outputs: List[TraceCertificate] = field(default_factory=list)
+    precision: str = ""
 
     def __len__(self) -> int:
         return len(self.updates)
@@ -279,7 +283,12 @@ class ModelCertificate:
         """Certify the model's chain in ``dtype`` (:func:`certblocks.certificate.certify_stack`).
 
         Args:
-            dtype: torch dtype or name.
+            dtype: torch dtype, name, or precision policy (:func:`certblocks.precision.as_precision`).  Under the
+                mixed policy the graph was captured under (:attr:`precision`), every value is checked against the
+                ``M`` of the dtype it is held in, casts and the head included, and the failure names the tensor
+                (node, module, dtype) and a lever; under another mixed policy the segments' values are bounded
+                against the policy's narrowest dtype (the certificate's notes say so: capture the model under it,
+                ``certblocks.certify(model, x, precision=...)``).
             r0: bound on the model input's per-token norm (Euclidean norm along its last dimension, largest
                 over the other indices); not needed for token ids (an embedding's bound does not depend on
                 it).  When the model is not chained, the bound on the first update's input.
@@ -318,7 +327,9 @@ class ModelCertificate:
         segs = self.all_segments()
         n_maps = len(segs) - len(self.updates)
         out = [f"{self.model}: {len(self.updates)} residual updates"
-               + (f", {n_maps} other segments (stem, maps, head)" if n_maps else "")]
+               + (f", {n_maps} other segments (stem, maps, head)" if n_maps else "")
+               + (f"; captured under {self.precision} (each value's dtype read from the graph)" if self.precision
+                  else "")]
         w = max([len(u.name) for u in segs] + [6])
         for k, u in enumerate(segs):
             c = u.certificate
@@ -336,6 +347,7 @@ class ModelCertificate:
 
     def to_dict(self) -> Dict[str, Any]:
         return {"model": self.model, "strict": self.strict, "depth": len(self.updates), "chained": self.chained,
+                "precision": self.precision,
                 "integer_input": self.integer_input, "notes": list(self.notes),
                 "stem": None if self.stem is None else self.stem.to_dict(),
                 "segments": [u.to_dict() for u in self.segments],
@@ -371,7 +383,8 @@ def _refused(cert: BlockCertificate, why: str) -> BlockCertificate:
 
 def _with_output(cert: BlockCertificate, out: TraceCertificate) -> BlockCertificate:
     """``cert``'s peak raised over a model output computed from the same input: the output's norm bound and its own
-    peak, both functions of that input's radius (docs/theory.md section 6)."""
+    peak, both functions of that input's radius (docs/theory.md section 6); under a policy, each dtype's peak over
+    the output's values held in it (the output's norm bound in its own dtype)."""
     oc = out.certificate
     label = f"output {out.output_node} of the model"
     if cert.peak is None or not cert.peak.derived:
@@ -379,13 +392,38 @@ def _with_output(cert: BlockCertificate, out: TraceCertificate) -> BlockCertific
     if oc.q is None or oc.peak is None or not oc.peak.derived:
         why = oc.peak.what if oc.peak is not None and not oc.peak.derived else f"exponents {oc.exponents}"
         return _refused(cert, f"{label} is not bounded: {why}")
-    polys = [{cert.peak.q: cert.peak.c, 0.0: cert.peak.b}, {oc.q: oc.c, 0.0: oc.b},
-             {oc.peak.q: oc.peak.c, 0.0: oc.peak.b}]
+    polys = [_terms(cert.peak.q, cert.peak.c, cert.peak.b), _terms(oc.q, oc.c, oc.b),
+             _terms(oc.peak.q, oc.peak.c, oc.peak.b)]
     mine = (cert.peak.q, cert.peak.c + cert.peak.b) >= max((oc.q, oc.c + oc.b), (oc.peak.q, oc.peak.c + oc.peak.b))
     try:
-        return replace(cert, peak=fold_peak(polys, cert.peak.what if mine else f"{label} ({oc.peak.what})"))
+        folded = fold_peak(polys, cert.peak.what if mine else f"{label} ({oc.peak.what})")
     except ValueError as exc:
         return _refused(cert, f"{label}: its bound does not fold into the segment's peak ({exc})")
+    held = cert.held_peaks(cert.precision) if cert.precision else None
+    theirs = oc.held_peaks(cert.precision) if held is not None else None
+    if held is None or theirs is None or not oc.state_dtype:
+        return replace(cert, peak=folded, peaks=None, peaks_of=None)  # the dtypes no longer known one by one
+    groups: Dict[str, List[Peak]] = {d: [p] for d, p in held.items()}
+    for d, p in theirs.items():
+        groups.setdefault(d, []).append(p)
+    groups.setdefault(oc.state_dtype, []).append(Peak(oc.q, oc.c, oc.b, f"{label} (its norm bound)"))
+    peaks = {}
+    for d, ps in groups.items():
+        top = max(ps, key=lambda p: (p.q, p.c + p.b))
+        parts = tuple(x for p in ps for x in (p.parts or ((tuple(sorted(_terms(p.q, p.c, p.b).items())), p.what,
+                                                           p.lever),)))
+        try:
+            peaks[d] = replace(fold_peak([_terms(p.q, p.c, p.b) for p in ps], top.what), lever=top.lever, parts=parts)
+        except ValueError as exc:
+            peaks[d] = Peak.unbounded(f"{label}: its {d} bounds do not fold into the segment's ({exc})")
+    return replace(cert, peak=folded, peaks=peaks, peaks_of=None)
+
+
+def _terms(q: float, c: float, b: float) -> Dict[float, float]:
+    """``c R^q + b`` as ``{power: coefficient}`` (``q = 0``: one constant ``c + b``, rounded up)."""
+    if q == 0.0:
+        return {0.0: math.nextafter(c + b, math.inf)}
+    return {q: c, 0.0: b}
 
 
 def _token_ids(tc: TraceCertificate, cert: BlockCertificate) -> BlockCertificate:
