@@ -294,6 +294,10 @@ def _stacked(block: nn.Module, own: Mapping[str, Sequence[Tuple[str, int]]], nam
 class TimmQKNormAttention(_QKA):
     """:class:`QKNormAttention` called like timm's ``Attention`` (``attn_mask``, ``is_causal``)."""
 
+    # the same function as _QKA's forward, called with the host's arguments: its certificate is this class's too
+    # (the tracer uses a module's own certificate only for the forward of the class that defines it)
+    certificate = _QKA.certificate
+
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,  # type: ignore[override]
                 is_causal: bool = False, **kwargs: Any) -> torch.Tensor:
         if is_causal:
@@ -303,6 +307,10 @@ class TimmQKNormAttention(_QKA):
 
 class HFGPT2QKNormAttention(_QKA):
     """:class:`QKNormAttention` called like HF ``GPT2Attention``: returns ``(output, None)``."""
+
+    # the same function as _QKA's forward, called with the host's arguments: its certificate is this class's too
+    # (the tracer uses a module's own certificate only for the forward of the class that defines it)
+    certificate = _QKA.certificate
 
     def forward(self, hidden_states: torch.Tensor, cache: Any = None,  # type: ignore[override]
                 attention_mask: Optional[torch.Tensor] = None, encoder_hidden_states: Any = None,
@@ -321,6 +329,10 @@ class HFGPT2QKNormAttention(_QKA):
 class HFLinearGrowthMamba(_LGM):
     """:class:`LinearGrowthMamba` called like HF ``MambaMixer`` (``cache``, ``attention_mask``)."""
 
+    # the same function as _LGM's forward, called with the host's arguments: its certificate is this class's too
+    # (the tracer uses a module's own certificate only for the forward of the class that defines it)
+    certificate = _LGM.certificate
+
     def forward(self, hidden_states: torch.Tensor, cache: Any = None,  # type: ignore[override]
                 attention_mask: Optional[torch.Tensor] = None, **kwargs: Any) -> torch.Tensor:
         if cache is not None or kwargs.get("cache_params") is not None:
@@ -334,6 +346,10 @@ class HFLinearGrowthMamba(_LGM):
 
 class HFPatchTSTQKNormAttention(_QKA):
     """:class:`QKNormAttention` called like HF ``PatchTSTAttention``: returns ``(output, None)``."""
+
+    # the same function as _QKA's forward, called with the host's arguments: its certificate is this class's too
+    # (the tracer uses a module's own certificate only for the forward of the class that defines it)
+    certificate = _QKA.certificate
 
     def forward(self, hidden_states: torch.Tensor, key_value_states: Optional[torch.Tensor] = None,  # type: ignore[override]
                 attention_mask: Optional[torch.Tensor] = None, output_attentions: bool = False,
@@ -377,6 +393,9 @@ class HFRotaryQKNormAttention(RotaryQKNormAttention):
     function is :class:`~certblocks.RotaryQKNormAttention`'s: its certificate holds for every mask (a mask only
     restricts each query's convex combination of values) and at every position.
     """
+
+    # the same function as RotaryQKNormAttention's forward, called with HF's arguments and kernels: its certificate
+    certificate = RotaryQKNormAttention.certificate
 
     config: Any
     layer_idx: Optional[int]

@@ -9,7 +9,7 @@ import pytest
 
 from certblocks import BlockCertificate
 from certblocks.budget import backward_overflow_depth, float_max, forward_overflow_depth
-from certblocks.certificate import certify_stack
+from certblocks.certificate import Peak, certify_stack
 from certblocks.exponents import Exponents
 
 
@@ -194,3 +194,13 @@ def test_peak_validation():
         Peak(1, -1.0)
     with pytest.raises(TypeError, match="peak must be a Peak"):
         BlockCertificate(1, 0, peak=(1, 2, 3))
+
+
+def test_a_constant_peak_keeps_both_of_its_coefficients():
+    """``c R^0 + b`` is ``c + b``: a ``{q: c, 0.0: b}`` dict literal at ``q = 0`` kept only ``b`` (an under-bound)."""
+    from certblocks.bounds.poly import fold_peak, peak_poly, power_terms
+
+    assert power_terms(0.0, 3.0, 2.0) == {0.0: pytest.approx(5.0)} and power_terms(0.0, 3.0, 2.0)[0.0] >= 5.0
+    assert peak_poly(Peak(0.0, 3.0, 2.0, "x"))[0.0] >= 5.0 and peak_poly(None, 0.0, 3.0, 2.0)[0.0] >= 5.0
+    assert fold_peak([peak_poly(Peak(0.0, 3.0, 2.0, "x"))], "x").bound(10.0) >= 5.0
+    assert power_terms(1.0, 3.0, 2.0) == {1.0: 3.0, 0.0: 2.0}

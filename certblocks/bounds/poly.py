@@ -27,7 +27,7 @@ from typing import Dict, Iterable, Mapping, Optional, Sequence, Tuple, Union
 from ..certificate import Peak
 from .norms import rounded_up
 
-__all__ = ["Poly", "psum", "fold_peak", "peak_poly", "normalized_peak"]
+__all__ = ["Poly", "psum", "fold_peak", "peak_poly", "power_terms", "normalized_peak"]
 
 _TOL = 1e-9
 
@@ -225,13 +225,21 @@ def fold_peak(polys: Sequence[Union[Poly, Mapping[float, float]]], what: str) ->
     return Peak(top, rounded_up(c, n), rounded_up(b, n), what=what)
 
 
+def power_terms(q: float, c: float, b: float) -> Dict[float, float]:
+    """``c R^q + b`` as ``{power: coefficient}``; ``q = 0`` is one constant ``c + b`` (rounded up), never a dict
+    literal ``{q: c, 0.0: b}`` whose second key would overwrite the first."""
+    if q == 0.0:
+        return {0.0: math.nextafter(c + b, math.inf)}
+    return {q: c, 0.0: b}
+
+
 def peak_poly(peak: Optional[Peak], q: Optional[float] = None, c: float = 0.0, b: float = 0.0) -> Dict[float, float]:
     """``{power: coefficient}`` of a block's peak, or of its growth bound ``c R^q + b`` when it has none."""
     if peak is not None:
-        return {peak.q: peak.c, 0.0: peak.b}
+        return power_terms(peak.q, peak.c, peak.b)
     if q is None:
         raise ValueError("a block without exponents has no intermediate bound")
-    return {q: c, 0.0: b}
+    return power_terms(q, c, b)
 
 
 def normalized_peak(branch_peak: Optional[Peak], branch_q: Optional[float], branch_c: float, branch_b: float,

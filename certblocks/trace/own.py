@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ..bounds.norms import one_thread, rounded_up
-from ..bounds.poly import Poly, fold_peak
+from ..bounds.poly import Poly, fold_peak, power_terms
 from ..certificate import BlockCertificate, Peak
 from ..protocol import CertifiedBlock
 from .capture import CapturedGraph
@@ -380,7 +380,8 @@ def scaled_certificate(cert: BlockCertificate, factor: float, name: str = "") ->
 
     peak: Optional[Peak] = cert.peak
     if peak is not None and factor > 1.0:
-        peak = fold_peak([{peak.q: peak.c, 0.0: peak.b}, {cert.q: up(cert.c), 0.0: up(cert.b)}], peak.what)
+        peak = fold_peak([power_terms(peak.q, peak.c, peak.b), power_terms(cert.q, up(cert.c), up(cert.b))],
+                         peak.what)
     return dataclasses.replace(cert, c=up(cert.c), b=up(cert.b), l1=up(cert.l1), l0=up(cert.l0), peak=peak,
                                name=name or cert.name)
 

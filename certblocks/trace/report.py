@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
-from ..bounds.poly import fold_peak
+from ..bounds.poly import fold_peak, power_terms
 from ..certificate import BlockCertificate, Peak, StackCertificate, certify_stack, cross_entropy_gradient, json_number
 from ..exponents import Exponents
 from .values import AValue
@@ -392,8 +392,8 @@ def _with_output(cert: BlockCertificate, out: TraceCertificate) -> BlockCertific
     if oc.q is None or oc.peak is None or not oc.peak.derived:
         why = oc.peak.what if oc.peak is not None and not oc.peak.derived else f"exponents {oc.exponents}"
         return _refused(cert, f"{label} is not bounded: {why}")
-    polys = [_terms(cert.peak.q, cert.peak.c, cert.peak.b), _terms(oc.q, oc.c, oc.b),
-             _terms(oc.peak.q, oc.peak.c, oc.peak.b)]
+    polys = [power_terms(cert.peak.q, cert.peak.c, cert.peak.b), power_terms(oc.q, oc.c, oc.b),
+             power_terms(oc.peak.q, oc.peak.c, oc.peak.b)]
     mine = (cert.peak.q, cert.peak.c + cert.peak.b) >= max((oc.q, oc.c + oc.b), (oc.peak.q, oc.peak.c + oc.peak.b))
     try:
         folded = fold_peak(polys, cert.peak.what if mine else f"{label} ({oc.peak.what})")
@@ -410,20 +410,15 @@ def _with_output(cert: BlockCertificate, out: TraceCertificate) -> BlockCertific
     peaks = {}
     for d, ps in groups.items():
         top = max(ps, key=lambda p: (p.q, p.c + p.b))
-        parts = tuple(x for p in ps for x in (p.parts or ((tuple(sorted(_terms(p.q, p.c, p.b).items())), p.what,
+        parts = tuple(x for p in ps for x in (p.parts or ((tuple(sorted(power_terms(p.q, p.c, p.b).items())), p.what,
                                                            p.lever),)))
         try:
-            peaks[d] = replace(fold_peak([_terms(p.q, p.c, p.b) for p in ps], top.what), lever=top.lever, parts=parts)
+            peaks[d] = replace(fold_peak([power_terms(p.q, p.c, p.b) for p in ps], top.what), lever=top.lever,
+                               parts=parts)
         except ValueError as exc:
             peaks[d] = Peak.unbounded(f"{label}: its {d} bounds do not fold into the segment's ({exc})")
     return replace(cert, peak=folded, peaks=peaks, peaks_of=None)
 
-
-def _terms(q: float, c: float, b: float) -> Dict[float, float]:
-    """``c R^q + b`` as ``{power: coefficient}`` (``q = 0``: one constant ``c + b``, rounded up)."""
-    if q == 0.0:
-        return {0.0: math.nextafter(c + b, math.inf)}
-    return {q: c, 0.0: b}
 
 
 def _token_ids(tc: TraceCertificate, cert: BlockCertificate) -> BlockCertificate:
