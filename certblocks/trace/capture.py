@@ -230,6 +230,12 @@ def _has_mutation(ep: Any) -> bool:
     return False
 
 
+def _has_autocast(ep: Any) -> bool:
+    """The graph holds an autocast region (``torch.autocast`` inside the forward, even a disabled one: timm's
+    ``LiteMLA`` turns autocast off around its linear attention)."""
+    return any(n.op == "call_function" and "autocast" in str(n.target) for n in ep.graph.nodes)
+
+
 @contextlib.contextmanager
 def _quiet_torch_logs() -> Iterator[None]:
     """Silence torch while exporting: a failed attempt prints and logs whole graphs; the CaptureError says why."""
@@ -302,13 +308,14 @@ def capture(module: nn.Module, args: Tuple[Any, ...], kwargs: Optional[Dict[str,
             errors.append(f"strict={strict}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
     else:
         raise CaptureError(f"torch.export could not capture {type(module).__name__}; " + " | ".join(errors))
-    if _has_mutation(ep):
-        # in-place ops (x += y, relu_) break dataflow reasoning: functionalize (no decomposition)
+    if _has_mutation(ep) or _has_autocast(ep):
+        # in-place ops (x += y, relu_) break dataflow reasoning, and an autocast region is a higher-order op around a
+        # sub-graph: functionalize and inline (no decomposition); the casts autocast makes become ops
         try:
             ep = ep.run_decompositions({})
         except Exception as exc:
-            raise CaptureError(f"the graph of {type(module).__name__} has in-place ops and could not be "
-                               f"functionalized: {type(exc).__name__}: {exc}") from exc
+            raise CaptureError(f"the graph of {type(module).__name__} has in-place ops or an autocast region and "
+                               f"could not be functionalized: {type(exc).__name__}: {exc}") from exc
     if cache is not None:
         while len(cache) >= 4:
             cache.pop(next(iter(cache)))
