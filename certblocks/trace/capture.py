@@ -279,6 +279,12 @@ def _has_mutation(ep: Any) -> bool:
     return False
 
 
+def _has_autocast(ep: Any) -> bool:
+    """The graph holds an autocast region (``torch.autocast`` inside the forward, even a disabled one: timm's
+    ``LiteMLA`` turns autocast off around its linear attention)."""
+    return any(n.op == "call_function" and "autocast" in str(n.target) for n in ep.graph.nodes)
+
+
 @contextlib.contextmanager
 def _quiet_torch_logs() -> Iterator[None]:
     """Silence torch while exporting: a failed attempt prints and logs whole graphs; the CaptureError says why."""
@@ -364,14 +370,16 @@ def capture(module: nn.Module, args: Tuple[Any, ...], kwargs: Optional[Dict[str,
         else:
             raise CaptureError(f"torch.export could not capture {type(module).__name__}; " + " | ".join(errors))
         autocast = prec is not None and prec.autocast_dtype is not None
-        if autocast or _has_mutation(ep):
-            # in-place ops (x += y, relu_) break dataflow reasoning: functionalize (no decomposition); under autocast
-            # the lowering runs inside it, and autocast's casts become explicit _to_copy nodes
+        if autocast or _has_mutation(ep) or _has_autocast(ep):
+            # in-place ops (x += y, relu_) break dataflow reasoning, and an autocast region inside the forward is a
+            # higher-order op around a sub-graph: functionalize and inline (no decomposition); under a policy's
+            # autocast the lowering runs inside it; autocast's casts become explicit _to_copy nodes
             try:
                 with _quiet_torch_logs():
                     ep = ep.run_decompositions({})
             except Exception as exc:
-                what = "be lowered under autocast" if autocast else "has in-place ops and could not be functionalized"
+                what = "be lowered under autocast" if autocast else \
+                    "be functionalized (it has in-place ops or an autocast region)"
                 raise CaptureError(f"the graph of {type(module).__name__} could not {what}: "
                                    f"{type(exc).__name__}: {exc}") from exc
     if cache is not None:

@@ -7,7 +7,11 @@ before the rule runs (:mod:`.registry` describes the declarations; :func:`rule_s
 * :mod:`.structural` -- copies, casts, views, permutes, selections, cat, pad;
 * :mod:`.pointwise` -- activations, clamps, ``exp``, powers, entrywise ops outside the class;
 * :mod:`.arithmetic` -- add/sub, mul, where, addcmul, lerp;
-* :mod:`.division` -- div and addcdiv, by constants or by denominators with a proven positive minimum;
+* :mod:`.division` -- div and addcdiv, by constants or by denominators with a proven positive minimum, and
+  reciprocal, rsqrt and sqrt of such a denominator;
+* :mod:`.lower_bounds` -- the proven minimum of a tensor (a denominator, a root's argument): top-k masses of
+  probabilities, max-shifted exponentials, columns of nonnegative products, sums, casts (no rules of its own);
+* :mod:`.linear_attention` -- the recognizer of a normalized linear attention ``(W V) / (W 1 + eps)`` (used by div);
 * :mod:`.indexing` -- gather, index_select, index, and writes into a slice (slice_scatter, select_scatter);
 * :mod:`.selection` -- topk, sort, cummax/cummin, entrywise maximum/minimum and clamps between tensors;
 * :mod:`.linalg` -- linear, matmul, addmm, einsum, convolutions, FFTs;

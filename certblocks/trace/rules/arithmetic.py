@@ -13,9 +13,9 @@ import torch
 
 from ... import exponents as E
 from ...bounds.poly import Poly, psum
-from ..nodes import bind_args, is_same, op_name, strip_exact_casts
+from ..nodes import bind_args, is_same, op_name, strip_exact_casts, target_name
 from ..values import AValue, max_abs, row_norm
-from .common import broadcast_factor, flip_sign, scalar_arg, scaled, sign_mul, switched, unknown
+from .common import broadcast_factor, flip_sign, same_computation, scalar_arg, scaled, sign_mul, switched, unknown
 from .normalizations import recognize_norm
 from .registry import register_rule
 
@@ -138,9 +138,21 @@ def add(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AVa
                      "sub (sum rule)" if sub else "add (sum rule)")
     b = bind_args(n) or {}
     minuend, subtrahend = (b.get("other"), b.get("self")) if name == "aten.rsub" else (b.get("self"), b.get("other"))
-    if sub and float(alpha) == 1.0 and _is_max_of(it, subtrahend, minuend):
+    if sub and float(alpha) == 1.0 and (_is_max_of(it, subtrahend, minuend) or
+                                         _is_entrywise_max_of(it, subtrahend, minuend)):
         out.sign = "-"
     return out
+
+
+def _is_entrywise_max_of(it: VelocityInterpreter, m: Any, x: Any) -> bool:
+    """``m`` is ``maximum(a, b)`` (or ``fmax``, ``max.other``) with ``x`` holding the values of ``a`` or of ``b`` (the
+    same node, or the same deterministic computation: :func:`~.common.same_computation`): then ``x - m <= 0``
+    entrywise (RWKV's ``exp(a - maximum(a, b))``), also when computed in floating point (``m`` is one of its operands
+    exactly, and a difference that is ``<= 0`` rounds to a number ``<= 0``)."""
+    m = strip_exact_casts(m, it.g.env)
+    if target_name(m) not in ("aten.maximum", "aten.fmax", "aten.max") or len(m.args) != 2:
+        return False
+    return any(isinstance(v, torch.fx.Node) and same_computation(v, x, it.g.env) for v in m.args)
 
 
 def _is_max_of(it: VelocityInterpreter, m: Any, x: Any) -> bool:

@@ -9,6 +9,7 @@ import torch
 
 from ...bounds.poly import Poly
 from ...exponents import Exponents
+from ..nodes import strip_exact_casts
 from ..values import AValue, max_abs, row_norm
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "rounding_factor",
     "floor_in",
     "scalar_arg",
+    "same_computation",
 ]
 
 #: ``sign=KEEP`` in :func:`scaled`: the result has the input's sign.
@@ -211,3 +213,40 @@ def switched(out: AValue, why: str) -> AValue:
     out.rule = why
     out.bad = why
     return out
+
+
+#: Tags of ops whose result is not a function of their arguments alone (a random draw, run-to-run differences).
+_NONDETERMINISTIC = tuple(getattr(torch.Tag, t) for t in ("nondeterministic_seeded", "nondeterministic_bitwise")
+                          if hasattr(torch.Tag, t))
+
+
+def _deterministic(target: Any) -> bool:
+    """An op whose result is a function of its arguments (no random draw, no run-to-run difference, no mutation)."""
+    tags = getattr(target, "tags", ())
+    return hasattr(target, "_schema") and not any(t in tags for t in _NONDETERMINISTIC) and \
+        not target._schema.is_mutable
+
+
+def same_computation(a: Any, b: Any, env: Dict[str, Any], depth: int = 4) -> bool:
+    """Whether two node arguments hold the same values: the same node up to exact casts, or two calls of the same
+    deterministic op on arguments that hold the same values (a graph computes ``key + time_first`` twice; both are
+    the same rounded number, entry by entry).  Numbers and other literals must be equal and of the same type; the
+    walk stops at ``depth``."""
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b) and \
+            all(same_computation(x, y, env, depth) for x, y in zip(a, b))
+    if not isinstance(a, torch.fx.Node) or not isinstance(b, torch.fx.Node):
+        if isinstance(a, torch.fx.Node) or isinstance(b, torch.fx.Node) or type(a) is not type(b):
+            return False
+        try:
+            return bool(a == b)
+        except Exception:  # an object that does not compare: not known to be equal
+            return False
+    a, b = strip_exact_casts(a, env), strip_exact_casts(b, env)
+    if a is b:
+        return True
+    if depth <= 0 or a.op != "call_function" or b.op != "call_function" or a.target is not b.target \
+            or not _deterministic(a.target) or len(a.args) != len(b.args) or set(a.kwargs) != set(b.kwargs):
+        return False
+    return all(same_computation(x, y, env, depth - 1) for x, y in zip(a.args, b.args)) and \
+        all(same_computation(a.kwargs[k], b.kwargs[k], env, depth - 1) for k in a.kwargs)

@@ -18,9 +18,9 @@ import torch
 from ... import exponents as E
 from ...bounds.normalization import norm_bounds
 from ...bounds.poly import Poly
-from ..nodes import bind_args, is_same_value, op_name, strip_exact_casts, target_name
+from ..nodes import bind_args, op_name, strip_exact_casts, target_name
 from ..values import AValue, max_abs
-from .common import floor_in, sqrt_last, unknown
+from .common import floor_in, same_computation, sqrt_last, unknown
 from .registry import register_rule
 
 if TYPE_CHECKING:
@@ -201,7 +201,9 @@ def _strip(it: VelocityInterpreter, n: Any) -> Any:
 
 
 def _same(it: VelocityInterpreter, n1: Any, n2: Any) -> bool:
-    return is_same_value(n1, n2, it.g.env)
+    """Two node arguments hold the same values: one node up to exact casts, or the same computation done twice
+    (``(x - mean)`` written once for the variance and once for the numerator)."""
+    return isinstance(n1, torch.fx.Node) and isinstance(n2, torch.fx.Node) and same_computation(n1, n2, it.g.env)
 
 
 def _unit_alpha(n: torch.fx.Node) -> bool:

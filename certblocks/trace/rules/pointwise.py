@@ -177,6 +177,9 @@ def clamp(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> A
     if any(isinstance(b, AValue) and not b.const for b in (lo, hi)):
         return clamp_between(x, lo, hi, shape)
     lo_r, hi_r = _bound_range(lo), _bound_range(hi)
+    # an infinite bound clamps nothing on its side: clamp(x, 0, inf) is clamp_min(x, 0)
+    lo_r = None if lo_r is not None and lo_r == (-math.inf, -math.inf) else lo_r
+    hi_r = None if hi_r is not None and hi_r == (math.inf, math.inf) else hi_r
     short = name.split(".")[-1]
     if lo_r is None and hi_r is None:
         return unknown(shape, f"{short} with neither min nor max")
@@ -205,17 +208,13 @@ def exp(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AVa
     return out
 
 
-@register_rule("aten.log", "aten.log2", "aten.log10", "aten.log1p", "aten.sqrt", "aten.tan", "aten.atanh",
-               "aten.logit", "aten.erfinv", "aten.digamma", "aten.lgamma",
-               reads=("self", "eps"))  # refused whatever the arguments
+@register_rule("aten.log", "aten.log2", "aten.log10", "aten.log1p", "aten.tan", "aten.atanh", "aten.logit",
+               "aten.erfinv", "aten.digamma", "aten.lgamma",
+               reads=("self", "eps"))  # refused whatever the arguments (sqrt, rsqrt, reciprocal: rules.division)
 def outside(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
-    x = first_tensor(a)
     name = op_name(n.target)
-    out = unknown(shape, f"{name.split('.')[-1]} of an input-dependent tensor is outside the certified class "
-                         "(not Lipschitz or unbounded near a point)")
-    if name == "aten.sqrt" and x is not None and x.sign == "+":
-        out.sign = "+"
-    return out
+    return unknown(shape, f"{name.split('.')[-1]} of an input-dependent tensor is outside the certified class "
+                          "(not Lipschitz or unbounded near a point)")
 
 
 @register_rule("aten.pow", overloads=("Tensor_Tensor", "Tensor_Scalar", "Scalar"), reads=("self", "exponent"))
