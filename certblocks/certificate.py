@@ -396,9 +396,11 @@ class StackCertificate:
             else the policy's narrowest dtype), each state against its dtype's (the stream's), and the backward
             bound of the stream's costates against the ``M`` of the policy's gradient dtype (``max_value``): an
             unscaled step, a safe loss scale ``>= 1`` for them.
-        max_loss_scale: the largest static loss scale with which no gradient held in a narrow dtype can overflow
-            (``None``: not computed in this version: the bound of every intermediate's gradient is the backward
-            side's; with it, certified will mean forward-safe and ``max_loss_scale >= 1``).
+        max_loss_scale: the largest static loss scale with which no gradient held in fp16 can overflow, for a
+            chain read from its graph (:meth:`certblocks.trace.ModelCertificate.stack` under pure fp16 or amp-fp16:
+            every gradient of the graph bounded, :mod:`certblocks.trace.backward`); certified then means
+            forward-safe and ``max_loss_scale >= 1``.  ``None``: not computed (a chain of blocks' own certificates,
+            whose intermediates' gradients are not bounded: only the stream's costates are checked).
         notes: what the certificate assumed under its policy, in words (segments whose intermediates' dtypes are
             not known and were bounded against the narrowest dtype).
     """
@@ -572,6 +574,8 @@ class StackCertificate:
                 above = (f"; the GradScaler's initial scale {scaler:g} is above it: it skips steps until it comes "
                          "down" if scaler is not None and scaler > self.max_loss_scale else "")
                 out.append(f"largest safe static loss scale: {self.max_loss_scale:.4g}{above}")
+        elif self.max_loss_scale is not None:
+            out.append(f"largest safe static loss scale: {self.max_loss_scale:.4g} (the gradients held in fp16)")
         if self.ok:
             out.append(f"certified: all {self.depth} updates (D_F >= {self.forward_depth}, "
                        f"D_grad >= {self.backward_depth}) in {self.dtype}")

@@ -261,3 +261,17 @@ def is_mixed(x: Any) -> bool:
 
 _PURE: Dict[str, Precision] = {name: _pure(name) for name in PURE_DTYPES}
 _CUSTOM: Dict[str, Precision] = {}  # the custom policies given so far, by name (as_precision)
+
+
+#: Names of :mod:`certblocks.fp8` (it imports torch) reachable from here without importing it at module load.
+_FP8_NAMES = ("Fp8Scale", "Fp8Stats", "fp8_scales", "fp8_emulation", "quantize")
+
+
+def __getattr__(name: str) -> Any:
+    """``certblocks.precision.fp8_scales`` and the other fp8 names, loaded from :mod:`certblocks.fp8` on first use
+    (this module stays importable without torch, for the command line)."""
+    if name in _FP8_NAMES:
+        from . import fp8
+
+        return getattr(fp8, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -173,3 +173,10 @@ def test_gradient_flows_through_the_emulation():
     with fp8_emulation(m, "dynamic"):
         F.mse_loss(m(x), torch.zeros(2, 3)).backward()
     assert x.grad is not None and m.weight.grad is not None and torch.isfinite(m.weight.grad).all()
+
+
+def test_fp8_scales_is_reachable_from_the_precision_module():
+    import certblocks.precision as precision
+    from certblocks.fp8 import fp8_scales
+
+    assert precision.fp8_scales is fp8_scales

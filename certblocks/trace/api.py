@@ -159,7 +159,7 @@ def _certify_chain(g: CapturedGraph, chain: Chain, model_name: str) -> ModelCert
     every = ([stem] if stem is not None else []) + body + ([head] if head is not None else [])
     return ModelCertificate(updates, model_name, g.strict, segments=body, stem=stem, head=head, precision=_policy(g),
                             integer_input=chain.integer_input, notes=list(chain.notes) + _velocity_notes(every),
-                            chained=True, outputs=certify_outputs(g, chain))
+                            chained=True, outputs=certify_outputs(g, chain), graph=g)
 
 
 def _policy(g: CapturedGraph) -> str:

@@ -664,6 +664,18 @@ class _SegmentPass:
             if p == "self" and len(so) >= 1:
                 e = self.entry_of(right)
                 return (_INF, why) if e is None else (e * math.sqrt(max(so[-1], 1)) * t, "")
+        if name == "aten.addmm":  # beta self + alpha mat1 @ mat2 (HF's Conv1D: the bias, the input, the weight)
+            beta, alpha = b.get("beta", 1), b.get("alpha", 1)
+            if not isinstance(beta, (int, float)) or not isinstance(alpha, (int, float)):
+                return _INF, why
+            if p == "self":
+                return abs(float(beta)) * bcast, ""
+            if p == "mat2":
+                e = self.entry_of(b.get("mat1"))
+                return (_INF, why) if e is None else (abs(float(alpha)) * e * col, "")
+            if p == "mat1" and len(so) >= 1:
+                e = self.entry_of(b.get("mat2"))
+                return (_INF, why) if e is None else (abs(float(alpha)) * e * math.sqrt(max(so[-1], 1)) * t, "")
         if name in ("aten.mul", "aten.multiply"):
             other = b.get("other") if p == "self" else b.get("self")
             e = self.entry_of(other)

@@ -12,6 +12,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 from ..bounds.poly import fold_peak, power_terms
 from ..certificate import BlockCertificate, Peak, StackCertificate, certify_stack, cross_entropy_gradient, json_number
 from ..exponents import Exponents
+from ..failures import Failure
 from .values import AValue
 
 __all__ = ["NodeRow", "TraceCertificate", "ModelCertificate", "Unbounded", "NOT_DERIVED", "jsonable"]
@@ -191,6 +192,8 @@ class ModelCertificate:
     chained: bool = False
     outputs: List[TraceCertificate] = field(default_factory=list)
     precision: str = ""
+    #: the captured graph of a chained certificate (its gradients are bounded from it: :meth:`stack`'s loss scale)
+    graph: Any = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.updates)
@@ -315,7 +318,49 @@ class ModelCertificate:
             out = first.output_bound if head is not None else first.radii[-1]
             grad = 2.0 * (out + target_radius) if math.isfinite(out) else sys.float_info.max
             grad = min(max(grad, sys.float_info.min), sys.float_info.max)
-        return self._certify(dtype, r0, dt, lip_g, head, grad)
+        return self._with_loss_scale(self._certify(dtype, r0, dt, lip_g, head, grad), dtype, dt, loss)
+
+    def _with_loss_scale(self, st: StackCertificate, dtype: object, dt: float,
+                         loss: Union[None, str, float]) -> StackCertificate:
+        """``st`` with :attr:`~certblocks.certificate.StackCertificate.max_loss_scale` where gradients are held in
+        fp16 (pure fp16, amp-fp16): every gradient of the graph bounded from the chain's costates
+        (:mod:`certblocks.trace.backward`), ``S* = min M_16 / bound`` over those held in fp16.  Certified means
+        forward-safe and ``S* >= 1`` (an unscaled step cannot overflow): below 1 the chain fails backward at the
+        segment of the gradient that sets it (docs/theory.md section 7).  Needs the captured graph of a chain
+        certified with ``dt = 1`` (the graph computes ``x + f(x)``); otherwise ``st`` as it is."""
+        from ..precision import as_precision
+
+        if self.graph is None or not self.chained or dt != 1.0 or as_precision(dtype).grad_dtype != "fp16":
+            return st
+        import torch
+
+        from .backward import loss_scale_from, model_gradient_bounds
+
+        prec = as_precision(dtype)
+        dtypes = None
+        if prec.pure:  # the model runs in fp16 throughout: every floating tensor (and its gradient) is held in it
+            dtypes = {name: torch.float16 for name, v in self.graph.env.items()
+                      if isinstance(v, torch.Tensor) and v.is_floating_point()}
+        try:
+            grads = model_gradient_bounds(self.graph, st, loss=loss if isinstance(loss, str) or loss is None else None,
+                                          dtypes=dtypes)
+        except ValueError as exc:  # not the graph's chain: say so instead of a scale
+            return replace(st, notes=tuple(st.notes) + (f"loss scale: not computed ({exc})",))
+        ls = loss_scale_from(grads, torch.float16)
+        st = replace(st, max_loss_scale=ls.value)
+        if st.first_failure is None and not ls.value >= 1.0:
+            ng = next((x for x in ls.gradients if x.name == ls.node), None)
+            label = ng.segment if ng is not None else ""
+            k = next((j for j, u in enumerate(st.updates) if u.name and label.endswith(u.name)), None)
+            if k is None:
+                k = len(st.updates) if label.startswith("head") else 0
+            name = st.updates[k].name if k < len(st.updates) else (st.head.name if st.head is not None else "head")
+            seg = st.updates[k].kind if k < len(st.updates) else "head"
+            st = replace(st, first_failure=Failure(
+                k, name, "backward", f"a gradient held in fp16 can overflow without a loss scale: {ls.reason}",
+                f"keep {ls.module or ls.node} in fp32, or lower the backward factors before it (a smaller branch gain, "
+                "caps with certblocks.enforce)", seg))
+        return st
 
     def _certify(self, dtype: object, r0: float, dt: float, lip_g: Optional[float],
                  head: Optional[BlockCertificate], grad: float) -> StackCertificate:

@@ -496,3 +496,80 @@ def test_zoo_vit_test_amp_fp16():
     ts = [torch.randint(0, 10, (2,), generator=gen) for _ in imgs]
     worst = _check_model(g, mg, imgs, ts, torch.float16, 1e-2)
     assert any("patch_embed" in k for k in worst)
+
+
+def test_hf_gpt2_conv1d_parameters_amp_fp16():
+    """HF GPT-2's Conv1D is ``addmm(bias, x, W)``: its weight's and bias's gradients are bounded (they were
+    not: no loss scale was certified for any HF GPT-2), within their bounds for random token ids under CPU autocast
+    fp16, and ``ModelCertificate.stack`` carries the scale."""
+    tr = pytest.importorskip("transformers")
+    from certblocks.trace import certify
+
+    cfg = tr.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=16, vocab_size=64, bos_token_id=0,
+                        eos_token_id=0)
+    torch.manual_seed(0)
+    m = tr.GPT2Model(cfg).eval()
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 64, (1, 8), generator=gen)
+
+    class LastState(nn.Module):  # the model's first output, so that the loss is a function of it
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.m(input_ids=ids, use_cache=False).last_hidden_state
+
+    rep = certify(LastState().eval(), idx, precision="amp-fp16")  # autocast's casts are nodes of this graph
+    st = rep.stack("amp-fp16", loss="cross_entropy")
+    assert st.max_loss_scale is not None and st.max_loss_scale > 0 and "loss scale" in st.explain()
+    g = rep.graph
+    mg = model_gradient_bounds(g, rep.stack("fp32", loss="cross_entropy"))
+    weights = [ng for ng in mg.gradients if ng.kind == "parameter" and ng.dtype == torch.float16]
+    assert weights and all(ng.bound.known for ng in weights), [ng for ng in weights if not ng.bound.known]
+    xs = [torch.randint(0, 64, (1, 8), generator=gen) for _ in range(3)]
+    ts = [torch.randint(0, 32, (1, 8), generator=gen) for _ in xs]
+    _check_model(g, mg, xs, ts, torch.float16, 1e-2)
+
+
+class Bottleneck(nn.Module):
+    """``x + W2 (W1 x)`` with ``W1`` scaled by ``1/s`` and ``W2`` by ``s``: the stream and its costates do not see
+    ``s`` (``W2 W1`` does not change), the gradient of the bottleneck ``W1 x`` does (``W2^T g``, ``s`` times larger),
+    then a linear head."""
+
+    def __init__(self, s: float, d: int = 8) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.head = nn.Linear(d, 2, bias=False), nn.Linear(2, d, bias=False), nn.Linear(d, 4)
+        with torch.no_grad():
+            self.fc1.weight.div_(s)
+            self.fc2.weight.mul_(s)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x + self.fc2(self.fc1(x)))
+
+
+@pytest.mark.parametrize("s, certified", [(1.0, True), (1e6, False)])
+def test_stack_in_fp16_needs_a_safe_unscaled_step(s: float, certified: bool):
+    """``ModelCertificate.stack`` in pure fp16 bounds every gradient (each held in fp16): certified means
+    forward-safe and ``max_loss_scale >= 1``.  Where only an intermediate's gradient can pass 65504 (the stream's
+    costates stay small), the chain is refused backward at a step without a loss scale, naming the gradient, and
+    autograd in fp16 does overflow there."""
+    from certblocks.trace import certify
+
+    torch.manual_seed(0)
+    m = Bottleneck(s).eval()
+    x = _ball((1, 1, 8), 1.0, torch.Generator().manual_seed(0)).float()
+    rep = certify(m, x)
+    st = rep.stack("fp16", r0=1.0, loss="cross_entropy")
+    assert st.max_loss_scale is not None and st.max_loss_scale > 0
+    assert st.ok is certified and (st.max_loss_scale >= 1.0) is certified, st.explain()
+    assert rep.stack("fp32", r0=1.0, loss="cross_entropy").max_loss_scale is None  # no fp16 gradient: none computed
+    if not certified:
+        assert st.first_failure.kind == "backward" and "held in fp16" in st.first_failure.reason, st.explain()
+        h = m.half()
+        xh = (x / x.norm(dim=-1, keepdim=True)).half().requires_grad_(True)
+        mid = h.fc1(xh)
+        mid.retain_grad()
+        out = h.head(xh + h.fc2(mid))
+        F.cross_entropy(out.reshape(-1, 4).float(), torch.tensor([int(out.float().argmin())])).backward()
+        assert not bool(torch.isfinite(mid.grad).all())  # the bottleneck's fp16 gradient overflows
