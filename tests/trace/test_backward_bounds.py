@@ -303,22 +303,27 @@ def test_certified_block_gradients_are_bounded_inside():
 
 
 def test_unknown_op_is_named_and_never_zero():
-    """An op without a local bound (sqrt of an input-dependent value) leaves every gradient upstream unbounded,
-    named, and no loss scale is certified."""
+    """An op without a local bound (sqrt of an input-dependent value with no proven positive minimum) leaves every
+    gradient upstream unbounded, named; with a proven minimum (``y**2 + 1 >= 1``) the same op is bounded."""
 
     class Sqrt(nn.Module):
-        def __init__(self) -> None:
+        def __init__(self, floor: float) -> None:
             super().__init__()
             self.f, self.g = nn.Linear(8, 8), nn.Linear(8, 8)
+            self.floor = floor
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.g(torch.sqrt(self.f(x) ** 2 + 1.0))
+            return self.g(torch.sqrt(self.f(x) ** 2 + self.floor))
 
-    g = capture(Sqrt().eval(), (torch.randn(2, 5, 8),))
+    g = capture(Sqrt(0.0).eval(), (torch.randn(2, 5, 8),))
     res = segment_gradients(g, g.user_inputs[0], g.outputs[0], 1.0, 1.0)
     assert math.isfinite(res.bounds["sqrt"].total)  # downstream of the op: bounded
     up = res.bounds["linear"]
-    assert not up.known and "sqrt" in up.why, up
+    assert not up.known and math.isinf(up.total) and "sqrt" in up.why, up
+
+    g = capture(Sqrt(1.0).eval(), (torch.randn(2, 5, 8),))
+    res = segment_gradients(g, g.user_inputs[0], g.outputs[0], 1.0, 1.0)
+    assert res.bounds["linear"].known and math.isfinite(res.bounds["linear"].total)
 
 
 def test_unbounded_local_derivative_refuses_the_loss_scale():
