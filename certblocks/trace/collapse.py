@@ -8,7 +8,7 @@ bound, plus the query-key products inside fused attention, folds into the veloci
 from __future__ import annotations
 
 import math
-from typing import List, NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple, cast
 
 import torch
 
@@ -81,14 +81,14 @@ def peak(it: VelocityInterpreter) -> Peak:
                                       f"bound: {why}")
             polys.append((n.name, bound))
         if n.name not in hidden and n.op == "call_function" and "scaled_dot_product" in op_name(n.target):
-            q, k = it.value_of(n.args[0].name), it.value_of(n.args[1].name)
-            if q is None or k is None or q.growth is None or k.growth is None:
+            q, kv = (it.value_of(cast(torch.fx.Node, a).name) for a in n.args[:2])
+            if q is None or kv is None or q.growth is None or kv.growth is None:
                 return Peak.unbounded(f"the query-key logits of {n.name}: the query or key bound is not derived")
             scale = (bind_args(n) or {}).get("scale")  # positional or keyword
             if scale is not None and not isinstance(scale, (int, float)):
                 return Peak.unbounded(f"the query-key logits of {n.name}: scale {scale!r} is not a number")
             s = max(1.0, abs(float(scale))) if scale is not None else 1.0
-            polys.append((f"query-key logits of {n.name}", (q.growth * k.growth).scale(s)))
+            polys.append((f"query-key logits of {n.name}", (q.growth * kv.growth).scale(s)))
     if not polys:
         return Peak(0.0, 0.0, 0.0, "no floating value computed from the input")
     top = max(polys, key=lambda t: (t[1].degree, t[1].total()))

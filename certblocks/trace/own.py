@@ -239,7 +239,7 @@ def call_certificate(g: CapturedGraph, call: CertifiedCall) -> Optional[BlockCer
     seq_len = shape[-2] if shape is not None and len(shape) >= 2 else None
     try:
         with one_thread():
-            cert = call.module.certificate(seq_len=seq_len)
+            cert = call.module.certificate(seq_len=seq_len)  # type: ignore[operator]  # a certified block
     except (TypeError, ValueError, NotImplementedError):
         return None
     if not isinstance(cert, BlockCertificate) or cert.q is None or cert.sigma is None:
@@ -380,7 +380,8 @@ def scaled_certificate(cert: BlockCertificate, factor: float, name: str = "") ->
 
     peak: Optional[Peak] = cert.peak
     if peak is not None and factor > 1.0:
-        peak = fold_peak([{peak.q: peak.c, 0.0: peak.b}, {cert.q: up(cert.c), 0.0: up(cert.b)}], peak.what)
+        peak = fold_peak([{peak.q: peak.c, 0.0: peak.b}, {cert.q: up(cert.c), 0.0: up(cert.b)}],  # type: ignore[dict-item]
+                         peak.what)  # a certificate with a peak has its exponents derived
     return dataclasses.replace(cert, c=up(cert.c), b=up(cert.b), l1=up(cert.l1), l0=up(cert.l0), peak=peak,
                                name=name or cert.name)
 
