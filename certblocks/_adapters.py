@@ -31,6 +31,7 @@ from torch import nn
 
 from .blocks.attention import QKNormAttention as _QKA
 from .blocks.mamba import LinearGrowthMamba as _LGM
+from .blocks.mlp import GatedMLP
 from .blocks.rotary import RotaryQKNormAttention
 
 __all__ = ["HFRotaryQKNormAttention", "TimmQKNormAttention", "HFGPT2QKNormAttention", "HFLinearGrowthMamba",
@@ -80,7 +81,7 @@ class SourceLayout:
         Raises:
             ValueError: the row blocks do not tile each block tensor, or a source tensor, exactly.
         """
-        own = dict(module.named_parameters())
+        own: Dict[str, torch.Tensor] = dict(module.named_parameters())
         own.update(module.named_buffers())
         pieces: List[_Piece] = []
         covered: Dict[str, int] = {}
@@ -144,7 +145,7 @@ def install_source_layout(module: nn.Module, layout: SourceLayout) -> nn.Module:
     """Store ``module``'s tensors in ``layout`` (its ``state_dict`` and ``load_state_dict``); returns ``module``."""
     if getattr(module, "_source_layout", None) is not None:
         raise ValueError(f"{type(module).__name__} already has a source layout")
-    module._source_layout = layout
+    module._source_layout = layout  # type: ignore[assignment]  # a plain attribute, not a submodule
     _install_hooks(module)
     return module
 
@@ -165,7 +166,7 @@ def _device_of(module: nn.Module) -> Optional[torch.device]:
 def _install_hooks(module: nn.Module) -> None:
     if getattr(module, "_source_hooks", False):
         return
-    module._source_hooks = True
+    module._source_hooks = True  # type: ignore[assignment]  # a plain attribute, not a submodule
     module.register_state_dict_post_hook(_to_source_layout)
     module.register_load_state_dict_pre_hook(_from_source_layout)
 
@@ -183,7 +184,7 @@ def _from_source_layout(module: nn.Module, state_dict: Dict[str, Any], prefix: s
                         strict: bool, missing_keys: List[str], unexpected_keys: List[str],
                         error_msgs: List[str]) -> None:
     if MARKER in module._buffers and prefix + MARKER not in state_dict:  # the source's own checkpoint
-        state_dict[prefix + MARKER] = module._buffers[MARKER].detach().clone()
+        state_dict[prefix + MARKER] = module._buffers[MARKER].detach().clone()  # type: ignore[union-attr]  # set
     layout: Optional[SourceLayout] = getattr(module, "_source_layout", None)
     if layout is None:
         return
@@ -249,7 +250,7 @@ def stacked_layout(block: nn.Module, own: Mapping[str, Sequence[Tuple[str, int]]
     return SourceLayout.build(block, pieces, shapes)
 
 
-def glu_layout(block: nn.Module, src: nn.Module) -> Optional[SourceLayout]:
+def glu_layout(block: GatedMLP, src: nn.Module) -> Optional[SourceLayout]:
     """The source's names and layout for a :class:`~certblocks.blocks.mlp.GatedMLP` (``fc1 = [value; gate]``,
     ``fc2``) converted from ``src``: LLaMA's ``gate_proj``, ``up_proj``, ``down_proj``, Phi-3's
     ``gate_up_proj = [gate; up]``, timm ``SwiGLU``'s ``fc1_g``, ``fc1_x``, timm ``GluMlp(gate_last=False)``'s
@@ -274,7 +275,7 @@ def fused_qkv_layout(block: nn.Module, fused: str = "qkv_proj") -> SourceLayout:
     return _stacked(block, own, {fused: ["q", "k", "v"]})
 
 
-def separate_qkv_layout(block: nn.Module) -> SourceLayout:
+def separate_qkv_layout(block: _QKA) -> SourceLayout:
     """HF ``PatchTSTAttention``'s ``k_proj``, ``v_proj``, ``q_proj``, ``out_proj`` for a block with fused ``qkv``
     (``[q; k; v]``) and ``proj``."""
     d = block.dim
@@ -359,26 +360,27 @@ class HFPatchTSTQKNormAttention(_QKA):
         return super().forward(hidden_states, attn_mask=attention_mask), None
 
     @classmethod
-    def from_module(cls, src: nn.Module, **overrides: Any) -> HFPatchTSTQKNormAttention:  # type: ignore[override]
+    def from_module(cls, src: nn.Module, **overrides: Any) -> HFPatchTSTQKNormAttention:
         """Build from HF ``PatchTSTAttention`` (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``; copied) with fresh
         RMS QK-norm scales 1; ``overrides`` replace constructor arguments."""
-        dim, heads = int(src.embed_dim), int(src.num_heads)
+        mod: Any = src  # HF PatchTSTAttention, read by duck typing
+        dim, heads = int(mod.embed_dim), int(mod.num_heads)
         hd = dim // heads
-        if abs(float(src.scaling) - hd ** -0.5) > 1e-12 * hd ** -0.5:
-            raise ValueError(f"PatchTSTAttention with logit scale {src.scaling} != head_dim**-0.5 is not supported")
-        w = src.q_proj.weight
-        cfg: Dict[str, Any] = dict(causal=bool(getattr(src, "is_causal", False)), qkv_bias=src.q_proj.bias is not None,
-                                   proj_bias=src.out_proj.bias is not None, attn_dropout=float(src.dropout),
+        if abs(float(mod.scaling) - hd ** -0.5) > 1e-12 * hd ** -0.5:
+            raise ValueError(f"PatchTSTAttention with logit scale {mod.scaling} != head_dim**-0.5 is not supported")
+        w = mod.q_proj.weight
+        cfg: Dict[str, Any] = dict(causal=bool(getattr(mod, "is_causal", False)), qkv_bias=mod.q_proj.bias is not None,
+                                   proj_bias=mod.out_proj.bias is not None, attn_dropout=float(mod.dropout),
                                    naming="timm", device=w.device, dtype=w.dtype)
         cfg.update(overrides)
         block = cls(dim, heads, **cfg)
         sd = {k: v.detach().clone() for k, v in block.state_dict().items() if k.startswith(("q_norm.", "k_norm."))}
-        sd["qkv.weight"] = torch.cat([src.q_proj.weight, src.k_proj.weight, src.v_proj.weight]).detach().clone()
-        sd["proj.weight"] = src.out_proj.weight.detach().clone()
-        if src.q_proj.bias is not None:
-            sd["qkv.bias"] = torch.cat([src.q_proj.bias, src.k_proj.bias, src.v_proj.bias]).detach().clone()
-        if src.out_proj.bias is not None:
-            sd["proj.bias"] = src.out_proj.bias.detach().clone()
+        sd["qkv.weight"] = torch.cat([mod.q_proj.weight, mod.k_proj.weight, mod.v_proj.weight]).detach().clone()
+        sd["proj.weight"] = mod.out_proj.weight.detach().clone()
+        if mod.q_proj.bias is not None:
+            sd["qkv.bias"] = torch.cat([mod.q_proj.bias, mod.k_proj.bias, mod.v_proj.bias]).detach().clone()
+        if mod.out_proj.bias is not None:
+            sd["proj.bias"] = mod.out_proj.bias.detach().clone()
         block.load_state_dict(sd, strict=True)
         return block
 
@@ -403,7 +405,7 @@ class HFRotaryQKNormAttention(RotaryQKNormAttention):
     _eager: Callable[..., Tuple[torch.Tensor, Any]]
 
     @classmethod
-    def from_module(cls, src: nn.Module, **overrides: Any) -> HFRotaryQKNormAttention:  # type: ignore[override]
+    def from_module(cls, src: nn.Module, **overrides: Any) -> HFRotaryQKNormAttention:
         block = super().from_module(src, **overrides)
         assert isinstance(block, HFRotaryQKNormAttention)
         block.config = src.config
@@ -411,7 +413,7 @@ class HFRotaryQKNormAttention(RotaryQKNormAttention):
         block.sliding_window = getattr(src, "sliding_window", None)
         # the source family's eager attention: the kernel when the config asks for "eager" (Gemma-2-style variants
         # differ from Llama's), resolved once here rather than at every call
-        block._eager = getattr(sys.modules.get(type(src).__module__), "eager_attention_forward", None)
+        block._eager = getattr(sys.modules.get(type(src).__module__), "eager_attention_forward", None)  # type: ignore[assignment]  # None: set below
         if block._eager is None:
             from transformers.models.llama.modeling_llama import eager_attention_forward
 

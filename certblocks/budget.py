@@ -286,19 +286,19 @@ def _mp(x: float) -> mpmath.mpf:
 
 
 def _step_mp(R, u: UpdateCoefficients, dt):
-    Rq = R ** _mp(u.q) if u.q not in (0.0, 1.0) else (R if u.q == 1.0 else mpmath.mpf(1))  # type: ignore[operator]
+    Rq = R ** _mp(u.q) if u.q not in (0.0, 1.0) else (R if u.q == 1.0 else mpmath.mpf(1))  # type: ignore[arg-type]
     growth = _mp(u.c) * Rq + _mp(u.b)
     return R + _mp(dt) * growth if u.residual else growth
 
 
 def _peak_mp(R, u: UpdateCoefficients):
-    Rq = R ** _mp(u.pq) if u.pq not in (0.0, 1.0) else (R if u.pq == 1.0 else mpmath.mpf(1))  # type: ignore[operator]
+    Rq = R ** _mp(u.pq) if u.pq not in (0.0, 1.0) else (R if u.pq == 1.0 else mpmath.mpf(1))  # type: ignore[arg-type]
     return _mp(u.pc) * Rq + _mp(u.pb)
 
 
 def _factor_mp(R, u: UpdateCoefficients, dt):
     Rb = max(R, mpmath.mpf(1))
-    Rs = Rb ** _mp(u.sigma) if u.sigma != 0.0 else mpmath.mpf(1)  # type: ignore[operator]
+    Rs = Rb ** _mp(u.sigma) if u.sigma != 0.0 else mpmath.mpf(1)  # type: ignore[arg-type]
     L = _mp(u.l1) * Rs + _mp(u.l0)
     if u.residual:
         return mpmath.log1p(_mp(dt) * L)
@@ -538,7 +538,7 @@ class Overflow:
     exact: bool = True
 
 
-def radius_closed_form(q: float, c: float, b: float, depth: int, *, dt: float = 1.0, r0: float = 1.0) -> float:
+def radius_closed_form(q: float, c: float, b: float, depth: float, *, dt: float = 1.0, r0: float = 1.0) -> float:
     """Closed-form upper bound of ``R_D`` for a homogeneous stack (docs/theory.md section 3).
 
     * ``q < 1``: ``(rbar0^(1-q) + (1-q)(c+b) D dt)^(1/(1-q))``, ``rbar0 = max(r0, 1)``;
@@ -726,7 +726,7 @@ def _peak_threshold_lo(u: UpdateCoefficients, M: float):
             return mpmath.mpf(0)
         if u.pc == 0.0 or u.pq == 0.0:
             return mpmath.inf if _mp(u.pc) < rest else mpmath.mpf(0)
-        return (rest / _mp(u.pc)) ** (1 / _mp(u.pq)) * (1 - mpmath.mpf(2) ** -200)
+        return (rest / _mp(u.pc)) ** (1 / _mp(u.pq)) * (1 - mpmath.mpf(2) ** -200)  # type: ignore[arg-type]
 
 
 def _tail_steps_to_peak(u: UpdateCoefficients, R: float, dt: float, M: float) -> int:

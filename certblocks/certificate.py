@@ -580,10 +580,10 @@ class StackCertificate:
             out.append(f"certified: all {self.depth} updates (D_F >= {self.forward_depth}, "
                        f"D_grad >= {self.backward_depth}) in {self.dtype}")
         else:
-            f = self.first_failure
-            assert f is not None
-            out.append(f"NOT certified: {f.reason}")
-            out.append(f"culprit's fix: {f.fix}")
+            first = self.first_failure
+            assert first is not None
+            out.append(f"NOT certified: {first.reason}")
+            out.append(f"culprit's fix: {first.fix}")
             if fixes is False:
                 out.append("computed fixes (each lever's value certified again): explain(fixes=True) or .fixes()")
             else:

@@ -76,7 +76,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 from torch import nn
@@ -138,6 +138,8 @@ class NormCap(_Float64Caps):
         caps: one cap per block.
     """
 
+    caps: torch.Tensor  # a buffer (float64)
+
     def __init__(self, sizes: Sequence[int], caps: Sequence[float]) -> None:
         super().__init__()
         if len(sizes) != len(caps):
@@ -164,6 +166,8 @@ class NormCap(_Float64Caps):
 class ScaleClamp(_Float64Caps):
     """``g -> clamp(g, -cap, cap)``: ``||g||_inf <= cap`` (QK-norm and normalization scales, conv taps, ``D``)."""
 
+    cap_value: torch.Tensor  # a buffer (float64)
+
     def __init__(self, cap: float) -> None:
         super().__init__()
         self.register_buffer("cap_value", torch.tensor(float(cap), dtype=torch.float64))
@@ -189,6 +193,8 @@ class SoftplusCeiling(_Float64Caps):
     dtype; the lower end (fixed, not a cap) rounded up.  When ``lower`` exceeds the upper end every entry is the
     upper end: the ceiling always holds.
     """
+
+    cap_value: torch.Tensor  # a buffer (float64)
 
     def __init__(self, cap: float, lower: float) -> None:
         super().__init__()
@@ -291,7 +297,8 @@ class EnforceReport:
 
 def _is_enforced(module: nn.Module, name: str) -> bool:
     return parametrize.is_parametrized(module, name) and any(
-        isinstance(p, (NormCap, ScaleClamp, SoftplusCeiling)) for p in module.parametrizations[name])
+        isinstance(p, (NormCap, ScaleClamp, SoftplusCeiling))
+        for p in cast(Dict[str, nn.ModuleList], module.parametrizations)[name])
 
 
 def _worst_stack(plans: List[_Plan], alpha: float, depth: int, ups: CertifiedModel, dtype: str) -> StackCertificate:
@@ -387,7 +394,7 @@ def enforce(model: Any, dtype: Union[str, torch.dtype], depth: Optional[int] = N
     caps: Dict[str, List[float]] = {}
     done: List[Tuple[nn.Module, str]] = []
     for p in plans:
-        paths = {id(m): path for path, m in p.block.named_modules()}
+        paths = {id(m): path for path, m in cast(nn.Module, p.block).named_modules()}
         for sl, refs in zip(p.slots, p.refs):
             values = [alpha * r for r in refs]
             par: nn.Module
@@ -458,7 +465,7 @@ def unenforce(model: Any) -> int:
     for m in mods:
         if not parametrize.is_parametrized(m):
             continue
-        for name in list(m.parametrizations.keys()):
+        for name in list(cast(nn.ModuleDict, m.parametrizations).keys()):
             if _is_enforced(m, name):
                 parametrize.remove_parametrizations(m, name, leave_parametrized=True)
                 count += 1

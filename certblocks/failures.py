@@ -93,6 +93,7 @@ def locate_failure(certs: Sequence[BlockCertificate], dtype: str, k: int, scan: 
     M = _budget.float_max(dtype)
     n = len(certs)
     if k == n:  # every segment passes; the head's output or intermediates reach M
+        assert head is not None  # segment n is the head: the scan gives k == n only with one
         R = _fmt_num(scan.radii[-1])
         if scan.forward_intermediate:
             what = head.peak.what if head.peak is not None and head.peak.what else "an intermediate value"

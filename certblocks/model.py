@@ -134,7 +134,7 @@ def unwrap(model: Any) -> Any:
 
 
 @functools.cache
-def _first_parameter(cls: type) -> Optional[str]:
+def _first_parameter(cls: type[nn.Module]) -> Optional[str]:
     """The name of the first argument of ``cls.forward`` after ``self`` (``"hidden_states"``, ``"x"``)."""
     try:
         params = list(inspect.signature(cls.forward).parameters.values())[1:]
@@ -155,7 +155,7 @@ def state_of(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -
     ``self_attn(hidden_states=...)``); ``None`` when the call has no tensor there."""
     if args:
         return (args[0], 0) if isinstance(args[0], Tensor) else None
-    name = _first_parameter(type(module))
+    name = _first_parameter(type(module))  # type: ignore[arg-type]  # mypy reads Module.__hash__ as unbound
     if name is not None and isinstance(kwargs.get(name), Tensor):
         return kwargs[name], name
     return None
@@ -506,7 +506,7 @@ class CertifiedModel:
         counters, which a write that hides from them (FSDP2's gathered copies) does not bump."""
         n = self.seq_len if seq_len is None else seq_len
         if cached and self.kind == "zoo" and callable(getattr(self.module, "update_certificates", None)):
-            certs = list(self.module.update_certificates(seq_len=n))  # type: ignore[union-attr]
+            certs = list(self.module.update_certificates(seq_len=n))  # type: ignore[operator, union-attr]
             return [dataclasses.replace(c, name=name) for c, name in zip(certs, self.names)]
         with one_thread():
             return self._certificates(n)
@@ -584,10 +584,10 @@ class CertifiedModel:
         if seq_len is None and self.seq_len_given:
             seq_len = self.seq_len
         if self.kind == "stack":
-            return self.module.certificate(dtype, seq_len=seq_len, r0=r0)  # type: ignore[union-attr]
+            return self.module.certificate(dtype, seq_len=seq_len, r0=r0)  # type: ignore[operator, union-attr]
         if self.kind == "zoo" and callable(getattr(self.module, "certificate", None)):
             kw = {"lip_g": self.lip_g} if self.lip_g_given else {}
-            return self.module.certificate(dtype, r0=r0, seq_len=seq_len, **kw)  # type: ignore[union-attr]
+            return self.module.certificate(dtype, r0=r0, seq_len=seq_len, **kw)  # type: ignore[operator, union-attr]
         env = self.envelope
         used = env.used() if env is not None else (None, None, None)
         if dtype is None:
@@ -841,7 +841,7 @@ def as_certified(obj: Any, *, r0: Optional[float] = None, seq_len: Optional[int]
         _same_dt(dt_v, 1.0, model)
         pairs = list(model.residual_updates())  # type: ignore[operator]
         out = CertifiedModel([p for p, _ in pairs], [m for _, m in pairs], dt=1.0,
-                             r0=model.input_radius if r0 is None else r0,  # type: ignore[attr-defined]
+                             r0=model.input_radius if r0 is None else r0,  # type: ignore[arg-type]
                              seq_len=int(model.certificate_seq_len()) if seq_len is None else seq_len,  # type: ignore
                              lip_g=lip or 1.0, kind="zoo", dtype=getattr(model, "cert_dtype", None), **common)
     else:

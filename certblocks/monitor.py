@@ -291,7 +291,7 @@ class CertificateMonitor:
                 y.register_hook(grad_hook)
             if callable(getattr(module, "attention_stats", None)):  # the update is an attention: X_k is its input
                 with envelope_paused():
-                    stats = module.attention_stats(x, samples=self.logit_samples, kappa=False)
+                    stats = module.attention_stats(x, samples=self.logit_samples, kappa=False)  # type: ignore[operator]  # checked callable above
                 cap["max_logit"] = stats.get("max_logit")
             self._captures[k] = cap
         return hook
@@ -320,7 +320,7 @@ class CertificateMonitor:
         ``attention_stats()``, its start vectors kept across checks."""
         warm = self._warm.setdefault(k, {})
         iters = self.power_iters if "kappa" in warm else self.power_iters_init
-        stats = m.attention_stats(None, warm=warm, iters=iters, generator=self._gen)
+        stats = m.attention_stats(None, warm=warm, iters=iters, generator=self._gen)  # type: ignore[operator]  # an attention: has attention_stats
         self._qk_normed[k] = bool(stats.get("qk_norm"))
         return float(stats["kappa"])
 
@@ -464,6 +464,7 @@ class CertificateMonitor:
 
     def _alert(self, rec: Dict[str, Any], stack: StackCertificate) -> None:
         step = rec["step"]
+        assert self.updates is not None  # _check alerts on a stack certificate only with the updates listed
         names = self.updates.names
         where = f"{self.dtype}, certified depth {stack.certified_depth}/{stack.depth}"
         # 1. the whole backward budget: name the update with the largest factor

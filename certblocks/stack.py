@@ -177,7 +177,7 @@ class _CertificateMethod:
     """The ``certificate`` descriptor: ``stack.certificate(...)`` is the method; ``stack.certificate.<attr>`` the
     deprecated property's reading (:class:`_CertificateAccess`)."""
 
-    def __get__(self, obj: Any, owner: type) -> Any:
+    def __get__(self, obj: Any, owner: type[CertifiedStack]) -> Any:
         if obj is None:
             return owner._certificate_now
         return _CertificateAccess(obj)

@@ -122,7 +122,7 @@ def selective_scan_bwd_op(
     outs = []
     for g, x in ((du, u), (ddelta, delta), (dA, A), (dB, B), (dC, C), (dD, D), (dz, z), (ddb, delta_bias)):
         outs.append(u.new_empty((0,)) if x is None else g.to(x.dtype).contiguous())
-    return tuple(outs)
+    return tuple(outs)  # type: ignore[return-value]  # eight entries, one per input
 
 
 @selective_scan_bwd_op.register_fake

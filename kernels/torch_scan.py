@@ -247,7 +247,7 @@ def scan_bwd(
         _chunk_states(a, h, h0)
         h5 = h.view(T, batch, G, H, N)
         dy5 = dyt[s:e].view(T, batch, G, H)
-        if z is not None:
+        if y is not None:  # y is kept iff there is a gate z
             _contract_C(h, Ct, s, e, G, out=y[s:e])
         lam = torch.mul(dy5[..., None], Ct[s:e].view(T, batch, G, 1, N), out=lam_buf[:T].view(T, batch, G, H, N))
         lam = lam.view(T, batch, dim, N)
@@ -284,7 +284,7 @@ def scan_bwd(
         du.addcmul_(dyt, D.float())
         dD = (dyt * uu).sum((0, 1))
     dz = None
-    if z is not None:
+    if y is not None:  # z is not None
         pre = y.addcmul_(uu, D.float()) if D is not None else y
         dz = (doutt * pre).mul_(gp)
     ddelta = ddt.mul_(torch.sigmoid(dt_raw)) if delta_softplus else ddt

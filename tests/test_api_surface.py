@@ -62,6 +62,7 @@ def test_unknown_names_are_attribute_errors_and_submodules_load_on_use():
         assert getattr(certblocks, sub).__name__ == f"certblocks.{sub}"
 
 
+@pytest.mark.subprocess
 def test_import_is_light_and_the_pure_python_parts_never_import_torch():
     code = ("import sys, certblocks, certblocks.budget, certblocks.certificate, certblocks.exponents, "
             "certblocks._validation, certblocks._format; print('torch' in sys.modules)")

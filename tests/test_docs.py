@@ -238,6 +238,7 @@ def test_blocks_run_in_fresh_namespaces_and_restore_torch_state(tmp_path):
     assert run_block(second) == "False\n"
 
 
+@pytest.mark.subprocess
 def test_a_subprocess_block_reports_its_error(tmp_path):
     path = _md(tmp_path, """\
         <!-- doctest: subprocess -->

@@ -378,7 +378,8 @@ def _cells() -> List[Any]:
     for key, row in ROWS.items():
         for path in PATHS:
             slow = path == "trainer" or (key, path) in _SLOW or row.fresh_process
-            out.append(pytest.param(key, path, id=f"{key}-{path}", marks=[pytest.mark.slow] if slow else []))
+            marks = ([pytest.mark.slow] if slow else []) + ([pytest.mark.subprocess] if row.fresh_process else [])
+            out.append(pytest.param(key, path, id=f"{key}-{path}", marks=marks))
     return out
 
 

@@ -261,6 +261,7 @@ def test_argument_errors():
         cbt.search_growth("linear", no_peak, SHAPE)  # type: ignore[arg-type]
 
 
+@pytest.mark.subprocess
 def test_not_imported_by_the_package():
     import subprocess
     import sys

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -142,7 +143,7 @@ class ZooModel(nn.Module, HubMixin, metaclass=abc.ABCMeta):
         if want == "radius":
             parts["radius"] = [lambda: float(self.input_radius())]
         if want == "updates" or stale("_cert_cache", (n, wkey)):
-            parts["updates"] = [lambda m=m, name=name: _update_certificate(m, n, name)
+            parts["updates"] = [functools.partial(_update_certificate, m, n, name)
                                 for name, m in self.residual_updates()]
         results = iter(concurrent_calls([task for tasks in parts.values() for task in tasks],
                                         return_exceptions=True))

@@ -145,7 +145,7 @@ class HubMixin:
         super().__init_subclass__(**kwargs)
         init = cls.__dict__.get("__init__")
         if init is not None and not hasattr(init, "__wrapped__"):
-            cls.__init__ = _record_init(init)  # type: ignore[misc]
+            cls.__init__ = _record_init(init)  # type: ignore[method-assign]
 
     def hub_config(self) -> Dict[str, Any]:
         """What ``config.json`` holds: the registry name, the class, the constructor's arguments (module doc).
@@ -215,7 +215,7 @@ class HubMixin:
         klass = _resolve(cfg["class"], cls)
         kwargs = _decode(cfg["kwargs"])
         kwargs.update(overrides)
-        params = inspect.signature(klass.__init__).parameters
+        params = inspect.signature(klass.__init__).parameters  # type: ignore[misc]  # klass is a class
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         if "certify" in params or takes_any:
             kwargs["certify"] = False  # the weights are checked below, once loaded
@@ -288,7 +288,7 @@ def _read_weights(folder: str, device: str) -> Dict[str, torch.Tensor]:
 
 def _load_exact(model: nn.Module, state: Dict[str, torch.Tensor]) -> None:
     """Load ``state`` with ``strict=True``, each tensor in the checkpoint's dtype (bit-exact weights)."""
-    own = dict(model.named_parameters(remove_duplicate=False))
+    own: Dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     own.update(model.named_buffers(remove_duplicate=False))
     for name, t in state.items():
         mine = own.get(name)

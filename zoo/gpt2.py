@@ -122,6 +122,8 @@ class GPT2QKNorm(ZooModel):
         device, dtype: as for torch layers.
     """
 
+    transformer: Any  # nn.ModuleDict(wte, wpe, drop, h, ln_f), nanoGPT's layout, read by attribute
+
     def __init__(self, n_layer: int = 12, n_head: int = 12, n_embd: int = 768, block_size: int = 1024,
                  vocab_size: int = 50304, bias: bool = True, dropout: float = 0.0, *, act: str = "gelu",
                  qk_norm: str = "rms", qk_norm_eps: float = QK_NORM_EPS, init_values: Optional[float] = INIT_VALUES,
@@ -254,8 +256,8 @@ class GPT2QKNorm(ZooModel):
         if hf:
             if labels is None:
                 return ZooOutput(logits=logits)
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
-                                   ignore_index=-100)
+            loss: Optional[torch.Tensor] = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)),
+                                                           labels[:, 1:].reshape(-1), ignore_index=-100)
             return ZooOutput(loss=loss, logits=logits)
         loss = None
         if targets is not None:

@@ -24,7 +24,7 @@ of patches, ``cert_dtype = "bf16"``.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple, cast
 
 import torch
 from torch import nn
@@ -51,8 +51,8 @@ class MambaForecasterLayer(nn.Module):
         dd = {"device": device, "dtype": dtype}
         check_choice("mixer", mixer, _MIXERS)
         cls = LinearGrowthMamba if mixer == "linear_growth" else Mamba
-        m = cls(d_model, d_state=d_state, d_conv=d_conv, expand=expand, dt_rank=dt_rank, **dd)
-        f = MLP(d_model, d_ff, "gelu", dropout=dropout, **dd)
+        m: nn.Module = cls(d_model, d_state=d_state, d_conv=d_conv, expand=expand, dt_rank=dt_rank, **dd)
+        f: nn.Module = MLP(d_model, d_ff, "gelu", dropout=dropout, **dd)
         if norm is not None:
             m = NormedUpdate(m, d_model, norm, placement, **dd)
             f = NormedUpdate(f, d_model, norm, placement, **dd)
@@ -105,7 +105,7 @@ class MambaForecaster(SeriesForecasterMixin, ZooModel):
 
     def residual_updates(self) -> List[Tuple[str, nn.Module]]:
         out: List[Tuple[str, nn.Module]] = []
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(cast(Iterable[MambaForecasterLayer], self.layers)):
             out += [(f"layers.{i}.mixer", layer.mixer), (f"layers.{i}.mlp", layer.mlp)]
         return out
 

@@ -24,7 +24,7 @@ Certificate defaults: ``r0`` from RevIN's affine map and the patch embedding (se
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple, cast
 
 import torch
 from torch import nn
@@ -82,7 +82,7 @@ class PatchTSTForecaster(SeriesForecasterMixin, ZooModel):
 
     def residual_updates(self) -> List[Tuple[str, nn.Module]]:
         out: List[Tuple[str, nn.Module]] = []
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(cast(Iterable[PatchTSTBlock], self.layers)):
             v_attn, v_ffn = layer.updates()
             out += [(f"layers.{i}.self_attn", v_attn), (f"layers.{i}.ff", v_ffn)]
         return out

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, cast
 
 import torch
 from torch import nn
@@ -134,7 +134,7 @@ class TotoStyle(ZooModel):
 
     def residual_updates(self) -> List[Tuple[str, nn.Module]]:
         out: List[Tuple[str, nn.Module]] = []
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(cast(Iterable[TotoStyleLayer], self.layers)):
             out += [(f"layers.{i}.attention", layer.attention), (f"layers.{i}.mlp", layer.mlp)]
         return out
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Any, List, Optional, Tuple
+from typing import Any, Iterable, List, Optional, Tuple, cast
 
 import torch
 from timm.layers import DropPath, is_scriptable
@@ -165,7 +165,7 @@ class CertifiedVisionTransformer(VisionTransformer, ZooModel):
 
     def residual_updates(self) -> List[Tuple[str, nn.Module]]:
         out: List[Tuple[str, nn.Module]] = []
-        for i, blk in enumerate(self.blocks):
+        for i, blk in enumerate(cast(Iterable[CertifiedViTBlock], self.blocks)):
             out += blk.velocities(f"blocks.{i}.")
         return out
 
@@ -194,8 +194,9 @@ class CertifiedVisionTransformer(VisionTransformer, ZooModel):
         r = tok + pos
         if self.cls_token is not None:
             r = max(r, vec_norm(self.cls_token.reshape(-1)) + pos)
-        if getattr(self, "reg_token", None) is not None:
-            r = max(r, row_norm_max(self.reg_token[0]) + pos)
+        reg = getattr(self, "reg_token", None)
+        if reg is not None:
+            r = max(r, row_norm_max(reg[0]) + pos)
         return r
 
     def example_input(self, seq_len: Optional[int] = None) -> torch.Tensor:

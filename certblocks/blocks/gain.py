@@ -103,7 +103,7 @@ class ScaledBranch(nn.Module):
         self.add_module(self.names[1], gain)
 
     @property
-    def branch(self) -> nn.Module:
+    def branch(self) -> Any:  # an nn.Module with the CertifiedBlock methods (no intersection type in typing)
         return getattr(self, self.names[0])
 
     @property

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import ClassVar, Dict, Mapping, Optional, Tuple
+from typing import Any, ClassVar, Dict, Mapping, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -359,7 +359,7 @@ class LinearGrowthMamba(SelectiveScanMixer):
         assert L is not None
         k = self._constants_from_caps(caps, L)
         n, m = self.d_inner, k["M_rows_max"]
-        f64 = {"dtype": torch.float64}
+        f64: Dict[str, Any] = {"dtype": torch.float64}
         dmax = F.softplus(torch.full((n,), k["dt_b_max"] + m, **f64))
         return self._certificate(k, L, dmax, torch.full((n,), m, **f64), torch.zeros(n, self.d_state, **f64),
                                  torch.zeros(n, **f64))

@@ -15,7 +15,7 @@ same ``A``.
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Dict, List, Mapping, Tuple, Union
+from typing import Any, ClassVar, Dict, List, Mapping, Tuple, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -246,7 +246,7 @@ class SelectiveScanMixer(nn.Module):
         if ssm_state is not None:
             y, last_state = y
             ssm_state.copy_(last_state)
-        return self.out_proj(y.transpose(1, 2))  # (B, L, d_model)
+        return self.out_proj(cast(torch.Tensor, y).transpose(1, 2))  # (B, L, d_model)
 
     # ------------------------------------------------------------------ decoding
     def step(self, hidden_states: torch.Tensor, conv_state: torch.Tensor,
@@ -465,8 +465,8 @@ class SelectiveScanMixer(nn.Module):
         return name + ("" if self.layer_idx is None else f"[{self.layer_idx}]")
 
     def _check_cert_args(self, seq_len: object, r0: object) -> Tuple[int, float | None]:
-        L, r = check_cert_args(seq_len, r0, block=parametrize.type_before_parametrizations(self).__name__,
-                               needs_seq_len=True)  # type: ignore[arg-type]
+        L, r = check_cert_args(seq_len, r0, block=parametrize.type_before_parametrizations(self).__name__,  # type: ignore[arg-type]
+                               needs_seq_len=True)
         check_finite(self)
         assert L is not None
         return L, r

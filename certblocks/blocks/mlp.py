@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple, overload
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,14 @@ def _act(name: str, x: torch.Tensor) -> torch.Tensor:
     if name == "relu":
         return F.relu(x)
     return F.silu(x)
+
+
+@overload
+def _f64(t: torch.Tensor) -> torch.Tensor: ...
+
+
+@overload
+def _f64(t: None) -> None: ...
 
 
 def _f64(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -271,7 +279,7 @@ class GatedMLP(nn.Module):
       ``L(R) <= ||W2|| (||W_g|| ||u||_inf + 1.0999 ||W_u|| ||a||_inf)``.
     """
 
-    exponents: ClassVar[Exponents] = Exponents(1, 1)
+    exponents: Exponents = Exponents(1, 1)  # (2, 1) for gate="silu": set per instance
 
     def __init__(self, dim: int, hidden_dim: Optional[int] = None, *, gate: str = "sigmoid", bias: bool = False,
                  device=None, dtype=None) -> None:
@@ -420,13 +428,14 @@ class GatedMLP(nn.Module):
         """
         if not isinstance(src, nn.Module):
             raise TypeError(f"src must be an nn.Module, got {type(src).__name__}")
+        mod: Any = src  # a foreign module, read by duck typing
         if hasattr(src, "gate_proj") and hasattr(src, "up_proj") and hasattr(src, "down_proj"):  # LLaMA
-            value, gate_l, out = src.up_proj, src.gate_proj, src.down_proj
-            act = activation_name(src.act_fn) if hasattr(src, "act_fn") else "silu"
+            value, gate_l, out = mod.up_proj, mod.gate_proj, mod.down_proj
+            act = activation_name(mod.act_fn) if hasattr(src, "act_fn") else "silu"
             wv, bv, wg_, bg_ = value.weight, value.bias, gate_l.weight, gate_l.bias
         elif hasattr(src, "gate_up_proj") and hasattr(src, "down_proj"):  # Phi-3: fused, gate half first
-            out, w, bb = src.down_proj, src.gate_up_proj.weight, src.gate_up_proj.bias
-            act = activation_name(src.activation_fn) if hasattr(src, "activation_fn") else "silu"
+            out, w, bb = mod.down_proj, mod.gate_up_proj.weight, mod.gate_up_proj.bias
+            act = activation_name(mod.activation_fn) if hasattr(src, "activation_fn") else "silu"
             h = w.shape[0] // 2
             if w.shape[0] != 2 * h or h != out.in_features:
                 raise ValueError(f"gate_up_proj must map to 2 * down_proj.in_features, got {w.shape[0]} and "
@@ -435,21 +444,21 @@ class GatedMLP(nn.Module):
             bg_, bv = (None, None) if bb is None else (bb[:h], bb[h:])
         elif hasattr(src, "fc1_g") and hasattr(src, "fc1_x") and hasattr(src, "fc2"):  # timm SwiGLU
             _no_norm(src)
-            value, gate_l, out = src.fc1_x, src.fc1_g, src.fc2
-            act = activation_name(src.act)
+            value, gate_l, out = mod.fc1_x, mod.fc1_g, mod.fc2
+            act = activation_name(mod.act)
             wv, bv, wg_, bg_ = value.weight, value.bias, gate_l.weight, gate_l.bias
         elif hasattr(src, "fc1") and hasattr(src, "fc2"):  # timm GluMlp / SwiGLUPacked / Toto-style
             _no_norm(src)
-            if not isinstance(src.fc1, nn.Linear):
+            if not isinstance(mod.fc1, nn.Linear):
                 raise TypeError("fc1 must be an nn.Linear (timm GluMlp with use_conv=True is not supported)")
-            out = src.fc2
-            act = activation_name(src.act) if hasattr(src, "act") else "silu"
-            w, bb = src.fc1.weight, src.fc1.bias
+            out = mod.fc2
+            act = activation_name(mod.act) if hasattr(src, "act") else "silu"
+            w, bb = mod.fc1.weight, mod.fc1.bias
             h = w.shape[0] // 2
             if w.shape[0] != 2 * h or h != out.in_features:
                 raise ValueError(f"fc1 must map to 2 * fc2.in_features, got {w.shape[0]} and {out.in_features}")
             first, last = (w[:h], w[h:]), (None if bb is None else bb[:h], None if bb is None else bb[h:])
-            if getattr(src, "gate_last", True):
+            if getattr(mod, "gate_last", True):
                 (wv, wg_), (bv, bg_) = first, last
             else:
                 (wg_, wv), (bg_, bv) = first, last

@@ -15,7 +15,7 @@ which :meth:`NormedUpdate.certificate_from_caps` uses when only caps on the scal
 from __future__ import annotations
 
 import math
-from typing import ClassVar, List, Mapping, Optional, Tuple
+from typing import Any, ClassVar, List, Mapping, Optional, Tuple, Union, cast
 
 import torch
 from torch import nn
@@ -103,8 +103,9 @@ def norm_cap_slots(norm: nn.Module, tag: str) -> List[CapSlot]:
 def norm_caps(norm: nn.Module, caps: Mapping[str, float], tag: str) -> Tuple[float, float]:
     """``(A, G)`` of a LayerNorm/RMSNorm whose scale and bias are within the caps ``gamma_<tag>``, ``beta_<tag>``."""
     kind = "layer" if isinstance(norm, nn.LayerNorm) else "rms"
-    shape = tuple(norm.normalized_shape)
-    eps = norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
+    ln = cast(Union[nn.LayerNorm, nn.RMSNorm], norm)
+    shape = tuple(ln.normalized_shape)
+    eps = ln.eps if ln.eps is not None else torch.finfo(torch.float32).eps
     return bounds.scalar_norm_bounds(kind, caps[f"gamma_{tag}"], caps.get(f"beta_{tag}", 0.0), eps,
                                      numel=math.prod(shape), d=shape[-1])
 
@@ -138,7 +139,7 @@ class NormedUpdate(nn.Module):
         self.placement = check_choice("placement", placement, _PLACEMENTS)
         self.norm_kind = check_choice("norm", norm, _KINDS)
         self.norm = make_norm(norm, d_model, eps, device, dtype)
-        self.branch = branch
+        self.branch: Any = branch  # an nn.Module with the CertifiedBlock methods
         self.norm_out = make_norm(norm, d_model, eps, device, dtype) if placement == "peri" else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

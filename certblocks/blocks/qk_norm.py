@@ -36,7 +36,7 @@ class SplitQKVRMSNorm(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float,  # type: ignore[override]
+    def forward(ctx, qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float,
                 num_heads: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, T, C3 = qkv.shape
         hd = C3 // (3 * num_heads)
@@ -54,7 +54,7 @@ class SplitQKVRMSNorm(torch.autograd.Function):
         return qk[0], qk[1], v
 
     @staticmethod
-    def backward(ctx, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor):
         xhat, r, w = ctx.saved_tensors
         _, B, nh, T, hd = xhat.shape
         dqkv = torch.empty((B, T, 3 * nh * hd), dtype=xhat.dtype, device=xhat.device)

@@ -20,7 +20,7 @@ tightly than ``L_F(A) G``: the branch sees a large input only where the normaliz
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Tuple, Union, cast
 
 import torch
 
@@ -88,9 +88,10 @@ def prenorm_jacobian(norm: torch.nn.Module, branch_jacobian: Callable[[float], f
         norm: an ``nn.LayerNorm`` or ``nn.RMSNorm`` over the last dimension.
         branch_jacobian: ``R -> L_F(R)``, nondecreasing.
     """
-    d = norm.normalized_shape[-1]
-    eps = norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
-    g = 1.0 if norm.weight is None else vec_inf_norm(norm.weight)
+    ln = cast(Union[torch.nn.LayerNorm, torch.nn.RMSNorm], norm)
+    d = ln.normalized_shape[-1]
+    eps = ln.eps if ln.eps is not None else torch.finfo(torch.float32).eps
+    g = 1.0 if ln.weight is None else vec_inf_norm(ln.weight)
     beta = vec_norm(getattr(norm, "bias", None))
 
     def rho(t: float) -> float:

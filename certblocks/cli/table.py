@@ -48,7 +48,7 @@ def forward_table_text(*, markdown: bool = False) -> str:
     from certblocks.budget import float_max
 
     header = ["q"] + [f"{d} (M = {float_max(d):.3g})" for d in TABLE_DTYPES]
-    rows = [[_q_label(r["q"])] + [format_depth(*r[d]) for d in TABLE_DTYPES]  # type: ignore[misc]
+    rows = [[_q_label(r["q"])] + [format_depth(*r[d]) for d in TABLE_DTYPES]  # type: ignore[arg-type, misc]
             for r in forward_depth_table()]
     return render_table(header, rows, markdown=markdown)
 

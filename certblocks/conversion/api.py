@@ -85,7 +85,7 @@ def _own_module(model: nn.Module, u: BlockCertificate) -> Optional[nn.Module]:
     if mod is None or not callable(getattr(mod, "certificate", None)):
         return None
     try:
-        own = mod.certificate()
+        own = mod.certificate()  # type: ignore[operator]  # a certified block
     except Exception:  # a block whose certificate needs arguments the trace had (seq_len): not matched
         return None
     same = all(math.isclose(getattr(own, f), getattr(u, f), rel_tol=1e-9, abs_tol=1e-300)
@@ -108,7 +108,7 @@ def _depth_change(before: StackCertificate, after: StackCertificate, model: nn.M
             try:  # the block's own culprit and the first clause of its fix (the module named like the update)
                 mod = model.get_submodule(u.name)
                 if callable(getattr(mod, "certificate", None)):
-                    own = mod.certificate()
+                    own = mod.certificate()  # type: ignore[operator]  # a certified block
                     culprit = own.culprit + (f" ({own.fix.split(':')[0]})" if own.fix else "")
             except Exception:  # not a module, or a certificate that needs arguments: the traced culprit
                 pass
@@ -132,7 +132,7 @@ def traced_levers(model: nn.Module, cert: StackCertificate) -> Dict[int, List[Le
         if not u.is_update:
             continue
         mod = _own_module(model, u)
-        own = list(mod.levers()) if mod is not None and callable(getattr(mod, "levers", None)) else []
+        own = list(mod.levers()) if mod is not None and callable(getattr(mod, "levers", None)) else []  # type: ignore[operator]  # a certified block
         gain = gain_lever(model, u.name)
         if gain is not None and not any(lv.name == gain.name for lv in own):
             own.append(gain)
@@ -235,8 +235,8 @@ def convert(model: nn.Module, *, filter_fn: Optional[Callable[[str, nn.Module], 
             before, after = NORM, Exponents(1, 0)
         else:
             new = _build(conv, mod, target, path)
-            before, after = conv.before(mod), getattr(new, "exponents", None)
-            after = after if isinstance(after, Exponents) else Exponents(None, None)
+            before, own = conv.before(mod), getattr(new, "exponents", None)
+            after = own if isinstance(own, Exponents) else Exponents(None, None)
         new.train(mod.training)
         setattr(parent, attr, new)
         report._undo.append((parent, attr, mod))
@@ -279,15 +279,15 @@ def convert(model: nn.Module, *, filter_fn: Optional[Callable[[str, nn.Module], 
         return report
     _log.info("capture and certify the converted model")
     report.certificate_after, report.trace_error_after = _trace(target, example_input, dtype, r0)
-    before, after_cert = report.certificate_before, report.certificate_after
+    before_cert, after_cert = report.certificate_before, report.certificate_after
     if remove_norms and after_cert is not None:
         above = [f"{u.name} (traced {u.exponents})" for u in after_cert.updates if u.is_update and u.q is not None
                  and u.sigma is not None and (u.q > 1 or u.sigma > 1)]
         if above:
             refuse("remove_norms=True left residual updates above (1, 1): " + "; ".join(above))
-    if before is not None and after_cert is not None:
+    if before_cert is not None and after_cert is not None:
         _log.info("certified depths before and after, fixes")
-        report.depths = [_depth_change(before.in_dtype(d), after_cert.in_dtype(d), target) for d in table_dtypes]
+        report.depths = [_depth_change(before_cert.in_dtype(d), after_cert.in_dtype(d), target) for d in table_dtypes]
         lowered = [d for d in report.depths if d.lowered]
         if lowered:
             msg = ("the conversion lowers the certified depth: " + "; ".join(str(d) for d in lowered)

@@ -47,7 +47,7 @@ def _is_rotary_attention(m: nn.Module) -> bool:
 
 def _rope_scaling(model: nn.Module) -> float:
     """The largest ``attention_scaling`` of an HF rotary embedding in ``model`` (1 when there is none)."""
-    found = [float(m.attention_scaling) for m in model.modules()
+    found = [float(m.attention_scaling) for m in model.modules()  # type: ignore[arg-type]  # HF: a float
              if type(m).__name__.endswith("RotaryEmbedding") and hasattr(m, "attention_scaling")]
     return max(found, default=1.0)
 

@@ -137,6 +137,7 @@ class LinearizedMap:
                     self._dummy = torch.zeros_like(self.out).requires_grad_(True)
                     (self._grad_of_dummy,) = torch.autograd.grad(self._out, self.x, self._dummy, retain_graph=True,
                                                                  create_graph=True)
+                assert self._grad_of_dummy is not None  # set with _dummy
                 (jw,) = torch.autograd.grad(self._grad_of_dummy, self._dummy, w, retain_graph=True)
             return jw
         with torch.no_grad():

@@ -257,7 +257,7 @@ class TrajectoryReport:
         norms = [u.costate_norm for u in self.updates]
         if self.head.source != "loss" or any(n is None for n in norms):
             return None
-        return _nan_up(max(_log(n) for n in norms + [self.head.norm]))  # type: ignore[operator]
+        return _nan_up(max(_log(n) for n in norms + [self.head.norm]))
 
     def measured_forward_items(self) -> List[Tuple[float, str, str, float]]:
         """``(headroom, where, quantity, largest |entry|)`` of every forward tensor group as the batch ran: each
@@ -365,8 +365,8 @@ class TrajectoryReport:
         cands2 = [(u.log_factor_certified if certified else u.log_factor, u.name, "Jacobian")
                   for u in self.updates]  # every factor is there: sides_on fell back otherwise
         cands2.append((_log(self.head.norm_certified if certified else self.head.norm), "head", "head"))
-        val2, name, qty = max(cands2, key=lambda c: c[0])
-        return name, qty, val2
+        val2, name, qty = max(cands2, key=lambda c: c[0])  # type: ignore[arg-type, return-value]  # no None here
+        return name, qty, val2  # type: ignore[return-value]
 
     @staticmethod
     def describe(quantity: str, nats: float) -> str:
@@ -436,11 +436,11 @@ class TrajectoryReport:
                          "against their dtype's M)")
         lines.append(f"forward: largest state norm or intermediate {fmt_num(self.forward_max)}")
         name, qty, nats = self.worst()
-        h, used = self.headroom_on("estimate")
-        verdict = "ok" if self.ok else "OVERFLOWS" if h < 0 else "at the limit"
+        h_est, used = self.headroom_on("estimate")
+        verdict = "ok" if self.ok else "OVERFLOWS" if h_est < 0 else "at the limit"
         hc = self.headroom_certified
         if self.headroom is None:
-            text = (f"headroom (measured) {h:.4g} nats (forward {self.forward_headroom_measured:.4g}, backward "
+            text = (f"headroom (measured) {h_est:.4g} nats (forward {self.forward_headroom_measured:.4g}, backward "
                     f"{self.backward_headroom_measured:.4g}; not estimated)")
         else:
             text = (f"headroom {self.headroom:.4g} nats (forward {self.forward_headroom:.4g}, backward "

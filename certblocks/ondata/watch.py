@@ -161,7 +161,7 @@ class OnDataWatch:
                                    f"{backward:.4g}): {cause}"})
         if zero is not None:
             out.append({"step": step, "update": name, "quantity": "headroom trend", "cause": qty, "value": h,
-                        "threshold": float(self.horizon), "basis": used,
+                        "threshold": float(self.horizon or 0), "basis": used,  # a trend alert needs a horizon
                         "message": f"step {step}: on-data headroom {h:.4g} nats falls by "
                                    f"{-self._slope():.3g} nats/step and reaches 0 near step {zero:.0f}, within "
                                    f"the horizon {self.horizon} ({rep.dtype}, {used}): {cause}"})

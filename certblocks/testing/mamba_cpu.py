@@ -110,7 +110,7 @@ def mamba_ssm_on_cpu(*, slow_path: bool = True) -> Iterator[Callable[..., Any]]:
     saved = {}
     ms = None
     if slow_path:
-        import mamba_ssm.modules.mamba_simple as ms
+        import mamba_ssm.modules.mamba_simple as ms  # type: ignore[no-redef]  # None without the slow path
         from mamba_ssm.ops.selective_scan_interface import selective_scan_ref
 
         for name, value in _SLOW_PATH.items():

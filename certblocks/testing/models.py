@@ -319,7 +319,7 @@ class _Search:
         else:
             xs = torch.cat([xs, _on_sphere(self.example[None], self.radius)])
         ts = [self.draw_targets(self.output_like) for _ in range(xs.shape[0])]
-        ranks = {c: [] for c in checks}
+        ranks: Dict[str, List[float]] = {c: [] for c in checks}
         for x, t in zip(xs, ts):
             scores = self.evaluate(checks, x, t, False)
             for c in checks:

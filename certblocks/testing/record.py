@@ -126,7 +126,7 @@ def as_atom(fn: Callable[..., Any]) -> Callable[..., Any]:
             mode.paused -= 1
         mode.record(out)
         return out
-    wrapped.__wrapped__, wrapped.__name__, wrapped.__doc__ = fn, getattr(fn, "__name__", "atom"), fn.__doc__
+    wrapped.__wrapped__, wrapped.__name__, wrapped.__doc__ = fn, getattr(fn, "__name__", "atom"), fn.__doc__  # type: ignore[attr-defined]
     return wrapped
 
 

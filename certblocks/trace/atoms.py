@@ -63,6 +63,7 @@ def _qualname(cls: type) -> str:
 
 def _op_key(op: Any) -> str:
     """Canonical op key ``namespace.name`` (``"mylib::op"``, ``torch.ops.mylib.op.default`` -> ``"mylib.op"``)."""
+    name: Optional[str]
     if isinstance(op, str):
         name = op
     else:

@@ -20,7 +20,7 @@ import dataclasses
 import inspect
 import io
 import logging
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -310,7 +310,7 @@ def _export_key(module: nn.Module, leaves: Sequence[Any], spec: Any) -> Tuple[An
     mods = tuple((n, type(m), m.training, len(m._forward_hooks), len(m._forward_pre_hooks))
                  for n, m in module.named_modules())
     tensors = tuple(id(t) for t in module.parameters()) + tuple(id(t) for t in module.buffers())
-    amp = []
+    amp: List[Tuple[str, Optional[bool], Optional[torch.dtype]]] = []
     for dev in ("cpu", "cuda"):
         try:
             amp.append((dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)))
@@ -340,6 +340,7 @@ def capture(module: nn.Module, args: Tuple[Any, ...], kwargs: Optional[Dict[str,
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
     prec = None if precision is None else as_precision(precision)
     kwargs = dict(kwargs or {})
+    params: Mapping[str, inspect.Parameter]
     try:
         params = inspect.signature(module.forward).parameters
     except (TypeError, ValueError):

@@ -30,7 +30,7 @@ type :class:`~certblocks.trace.report.Unbounded`: the stack certificate is not c
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple, TypeGuard
 
 import torch
 from torch import nn
@@ -177,7 +177,7 @@ def model_chain(g: CapturedGraph, updates: Sequence[Update]) -> Optional[Chain]:
     return Chain(segs, x_in, out, not _floating(_tensor(g, x_in)), notes, extra)
 
 
-def _floating(t: Optional[torch.Tensor]) -> bool:
+def _floating(t: Optional[torch.Tensor]) -> TypeGuard[torch.Tensor]:
     return t is not None and (t.is_floating_point() or t.is_complex())
 
 
@@ -287,7 +287,8 @@ def segment_name(g: CapturedGraph, seg: Segment) -> str:
     else the deepest module of each group of operations below the modules they share
     (``"layers.0.blocks.0+layers.1.downsample"``), else its output node."""
     sub = g.between(seg.start, seg.end) - {seg.start.name}
-    calls = [g.nodes[g.index[n]] for n in sorted(sub, key=g.index.get) if g.nodes[g.index[n]].op == "call_function"]
+    calls = [g.nodes[g.index[n]] for n in sorted(sub, key=g.index.__getitem__)
+             if g.nodes[g.index[n]].op == "call_function"]
     stacks = [[p for p, _ in g.module_stack(n)] for n in calls]
     inside = [st for st in stacks if st]
     if not inside:

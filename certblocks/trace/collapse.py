@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Dict, List, NamedTuple, Optional, Set, Tuple, Union
+from typing import Dict, List, NamedTuple, Optional, Set, Tuple, Union, cast
 
 import torch
 
@@ -97,14 +97,14 @@ def _bounds(it: VelocityInterpreter) -> Union[Peak, List[_Bound]]:
             dtype = group_dtype.get(n.name, it.g.dtype_of(n, k))
             out.append(_Bound(n.name, n, bound, dtype, "cast" if _narrowing_cast(it, n) else "node"))
         if n.name not in hidden and n.op == "call_function" and "scaled_dot_product" in op_name(n.target):
-            q, k = it.value_of(n.args[0].name), it.value_of(n.args[1].name)
-            if q is None or k is None or q.growth is None or k.growth is None:
+            q, kv = (it.value_of(cast(torch.fx.Node, a).name) for a in n.args[:2])
+            if q is None or kv is None or q.growth is None or kv.growth is None:
                 return Peak.unbounded(f"the query-key logits of {n.name}: the query or key bound is not derived")
             scale = (bind_args(n) or {}).get("scale")  # positional or keyword
             if scale is not None and not isinstance(scale, (int, float)):
                 return Peak.unbounded(f"the query-key logits of {n.name}: scale {scale!r} is not a number")
             s = max(1.0, abs(float(scale))) if scale is not None else 1.0
-            out.append(_Bound(f"query-key logits of {n.name}", n, (q.growth * k.growth).scale(s),
+            out.append(_Bound(f"query-key logits of {n.name}", n, (q.growth * kv.growth).scale(s),
                               it.g.dtype_of(n), "logits"))
     return out
 

@@ -10,7 +10,7 @@ the output of a module that carries its own certificate is named as that module 
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple, cast
 
 import torch
 
@@ -18,6 +18,7 @@ from .. import exponents as E
 from .capture import CapturedGraph
 from .interp import VelocityInterpreter
 from .nodes import PASS_THROUGH_OPS, op_name
+from .values import AValue
 
 __all__ = ["culprit", "describe"]
 
@@ -86,7 +87,7 @@ def _reachable(it: VelocityInterpreter, out: torch.fx.Node) -> List[torch.fx.Nod
 def _logit_sigma(it: VelocityInterpreter, n: torch.fx.Node) -> Optional[float]:
     """sigma of the query-key logits feeding an attention node (SDPA: from Q and K; P @ V: from P)."""
     if "scaled_dot_product" in op_name(n.target):
-        q, k = it.value_of(n.args[0].name), it.value_of(n.args[1].name)
+        q, k = it.value_of(cast(torch.fx.Node, n.args[0]).name), it.value_of(cast(torch.fx.Node, n.args[1]).name)
         if q is None or k is None:
             return None
         acts = [v.exps for v in (q, k) if not v.const]
@@ -100,7 +101,14 @@ def _logit_sigma(it: VelocityInterpreter, n: torch.fx.Node) -> Optional[float]:
 
 def _act_deps(it: VelocityInterpreter, names: Tuple[str, ...]) -> List[str]:
     """The input-dependent ones among a node's dependencies."""
-    return [d for d in names if it.value_of(d) is not None and not it.value_of(d).const]
+    return [d for d in names if (v := it.value_of(d)) is not None and not v.const]
+
+
+def _value(it: VelocityInterpreter, name: str) -> AValue:
+    """The abstract value of a node the interpreter reached (the culprit search visits only those)."""
+    v = it.value_of(name)
+    assert v is not None, name
+    return v
 
 
 def _moves_only(it: VelocityInterpreter, n: torch.fx.Node) -> bool:
@@ -118,19 +126,19 @@ def _largest_jacobian_factor(g: CapturedGraph, it: VelocityInterpreter, nodes: L
         av = it.value_of(n.name)
         if av is None or av.const or av.jacobian is None or n is it.x or _moves_only(it, n):
             continue
-        deps = [it.value_of(d) for d in _act_deps(it, av.deps)]
+        deps = [_value(it, d) for d in _act_deps(it, av.deps)]
         base = max([d.jacobian.total() for d in deps if d.jacobian is not None], default=1.0)
         ratio = av.jacobian.total() / base if base > 0 else 1.0
         if ratio > best_ratio:
             best, best_ratio = n, ratio
     if best is None:
         return ("", "", "")
-    return (f"largest Jacobian factor: {where(best)} x{best_ratio:.3g} ({it.value_of(best.name).rule})", best.name, "")
+    return (f"largest Jacobian factor: {where(best)} x{best_ratio:.3g} ({_value(it, best.name).rule})", best.name, "")
 
 
 def culprit(g: CapturedGraph, it: VelocityInterpreter, out: torch.fx.Node) -> Tuple[str, str, str]:
     """``(culprit text, node name, suggested fix)`` for the velocity ending at ``out``."""
-    res = it.value_of(out.name)
+    res = _value(it, out.name)
     nodes = _reachable(it, out)
 
     def where(n: torch.fx.Node) -> str:
@@ -139,13 +147,14 @@ def culprit(g: CapturedGraph, it: VelocityInterpreter, out: torch.fx.Node) -> Tu
             return f"{call.path} ({type(call.module).__name__})"
         return f"{n.name} ({op_name(n.target)}" + (f" in {g.module_path(n)})" if g.module_path(n) else ")")
 
+    comp: Optional[str]
     if not res.exps.known:
         comp = "q" if res.exps.q is None else "sigma"
         for n in nodes:
             av = it.value_of(n.name)
             if av is None or getattr(av.exps, comp) is not None:
                 continue
-            deps = [it.value_of(d) for d in av.deps if it.value_of(d) is not None]
+            deps = [v for d in av.deps if (v := it.value_of(d)) is not None]
             if all(getattr(d.exps, comp) is not None for d in deps):
                 why = av.bad or av.rule or "outside the certified class"
                 return (f"{where(n)}: {why}", n.name,
@@ -154,6 +163,7 @@ def culprit(g: CapturedGraph, it: VelocityInterpreter, out: torch.fx.Node) -> Tu
                         "argument) or register an atom for it with certblocks.trace.register_atom")
         return ("not derived", "", "register an atom for the op outside the class")
     q, s = res.exps.q, res.exps.sigma
+    assert q is not None and s is not None  # known exponents
     comp = "q" if q > 1 else ("sigma" if s > 0 else None)
     if comp is None:
         return _largest_jacobian_factor(g, it, nodes, where)
@@ -164,17 +174,17 @@ def culprit(g: CapturedGraph, it: VelocityInterpreter, out: torch.fx.Node) -> Tu
         if av is None or av.const or n is it.x or _moves_only(it, n):
             continue
         mine = getattr(av.exps, comp)
-        base = max([getattr(it.value_of(d).exps, comp) or 0.0 for d in _act_deps(it, av.deps)], default=0.0)
+        base = max([getattr(_value(it, d).exps, comp) or 0.0 for d in _act_deps(it, av.deps)], default=0.0)
         jump = (mine or 0.0) - base
         if jump > 0 and jump >= best_jump:
             best, best_jump = n, jump
     if best is None:
         return ("", "", "")
-    av = it.value_of(best.name)
+    av = _value(it, best.name)
     t = op_name(best.target)
     dnodes = [next((m for m in it.order if m.name == d), None) for d in _act_deps(it, av.deps)]
-    parts = [f"{describe(g, it, m)} (q={it.value_of(m.name).exps.q:g})" for m in dnodes if m is not None
-             and it.value_of(m.name).exps.q is not None]
+    parts = [f"{describe(g, it, m)} (q={_value(it, m.name).exps.q:g})" for m in dnodes if m is not None
+             and _value(it, m.name).exps.q is not None]
     if comp == "q":
         if t in ("aten.pow", "aten.square") or (len(dnodes) == 1 and t == "aten.mul"):
             text = (f"{where(best)} raises {describe(g, it, dnodes[0]) if dnodes else 'its input'} to a power: "

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple, cast
 
 import torch
 
@@ -290,7 +290,7 @@ class VelocityInterpreter:
         if name == "getitem":
             src = self.value(n.args[0])
             if isinstance(src, (list, tuple)):
-                v = src[n.args[1]]
+                v = src[cast(int, n.args[1])]
                 if isinstance(v, AValue):
                     return v
             return AValue.unknown(shape, "getitem", f"getitem on {type(src).__name__}", self.deps_of(n))

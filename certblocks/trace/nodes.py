@@ -125,11 +125,11 @@ def strip_exact_casts(n: Any, env: Dict[str, Any]) -> Any:
     ``x / sqrt(mean(x^2))``) must not see through a rounding cast."""
     while isinstance(n, torch.fx.Node) and n.op == "call_function" and op_name(n.target) in CASTS and n.args:
         k = 1 if op_name(n.target) in ("aten.copy", "aten.fill_") else 0
-        if len(n.args) <= k or not isinstance(n.args[k], torch.fx.Node):
+        if len(n.args) <= k or not isinstance(arg := n.args[k], torch.fx.Node):
             break
-        if not _exact_cast(env.get(n.args[k].name), env.get(n.name)):
+        if not _exact_cast(env.get(arg.name), env.get(n.name)):
             break
-        n = n.args[k]
+        n = arg
     return n
 
 

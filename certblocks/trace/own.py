@@ -239,7 +239,7 @@ def call_certificate(g: CapturedGraph, call: CertifiedCall) -> Optional[BlockCer
     seq_len = shape[-2] if shape is not None and len(shape) >= 2 else None
     try:
         with one_thread():
-            cert = call.module.certificate(seq_len=seq_len)
+            cert = call.module.certificate(seq_len=seq_len)  # type: ignore[operator]  # a certified block
     except (TypeError, ValueError, NotImplementedError):
         return None
     if not isinstance(cert, BlockCertificate) or cert.q is None or cert.sigma is None:

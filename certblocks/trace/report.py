@@ -472,7 +472,7 @@ def _token_ids(tc: TraceCertificate, cert: BlockCertificate) -> BlockCertificate
     if cert.q is None:
         return cert
     cert = replace(cert, sigma=0.0, l1=0.0, l0=1.0)
-    grows = cert.q > 0 and cert.c > 0
+    grows = (cert.q or 0.0) > 0 and cert.c > 0  # q is derived (checked above)
     peak_grows = cert.peak is not None and cert.peak.derived and cert.peak.q > 0 and cert.peak.c > 0
     if not (grows or peak_grows):
         return cert

@@ -36,7 +36,7 @@ def find_residual_updates(g: CapturedGraph) -> List[Tuple[torch.fx.Node, torch.f
         if n.kwargs.get("alpha", 1) != 1:
             continue
         va, vb, vn = g.env.get(a.name), g.env.get(b.name), g.env.get(n.name)
-        if not all(isinstance(v, torch.Tensor) for v in (va, vb, vn)):
+        if not (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and isinstance(vn, torch.Tensor)):
             continue
         if not (va.shape == vb.shape == vn.shape) or not vn.is_floating_point():
             continue

@@ -71,8 +71,7 @@ def sign_of(t: torch.Tensor) -> Optional[str]:
         return "+"
     if not t.is_floating_point():
         t = t.double()
-    lo, hi = torch.aminmax(t)
-    lo, hi = float(lo), float(hi)
+    lo, hi = map(float, torch.aminmax(t))
     if lo != lo or hi != hi:  # NaN
         return None
     if lo == 0 and hi == 0:
@@ -142,6 +141,7 @@ class ConstAValue(AValue):
     def _get(self, key: str) -> Any:
         if key not in self._cache:
             v = self.value
+            assert v is not None  # derived lazily only from a concrete value (otherwise set when made)
             if key == "growth":
                 self._cache[key] = Poly.const(row_norm(v if (v.is_floating_point() or v.is_complex())
                                                        else v.double()))
@@ -151,9 +151,9 @@ class ConstAValue(AValue):
                 self._cache[key] = sign_of(v)
         return self._cache[key]
 
-    growth = property(lambda self: self._get("growth"),  # type: ignore[assignment]
+    growth = property(lambda self: self._get("growth"),
                       lambda self, v: self._cache.__setitem__("growth", v))
-    max_abs = property(lambda self: self._get("max_abs"),  # type: ignore[assignment]
+    max_abs = property(lambda self: self._get("max_abs"),
                        lambda self, v: self._cache.__setitem__("max_abs", v))
-    sign = property(lambda self: self._get("sign"),  # type: ignore[assignment]
+    sign = property(lambda self: self._get("sign"),
                     lambda self, v: self._cache.__setitem__("sign", v))

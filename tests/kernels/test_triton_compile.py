@@ -58,6 +58,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_kernels_compile_for_sm90(tmp_path):
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "cache"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from certblocks.blocks.mamba import LinearGrowthMamba
@@ -25,6 +26,7 @@ def test_compile_fullgraph_forward_backward_aot():
     torch.testing.assert_close(gx, gx2, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_compile_fullgraph_inductor_inference():
     blk = _block()
     x = torch.randn(2, 12, 16)

@@ -111,9 +111,10 @@ def test_timm_full_size_certified_by_default_and_refused_without_gains():
     assert m.certificate("bf16").depth == 24 and not m.certificate("bf16").ok
 
 
-# one small model per family; inductor (C++ codegen, ~12 s each on 2 cores) for two of them, the graph
+# one small model per family; inductor (C++ codegen, 10-60 s each on 2 cores: slow) for two of them, the graph
 # capture and AOT autograd path (aot_eager) for the others to stay within the test-time budget
-@pytest.mark.parametrize("name,backend", [("gpt2_qknorm_test", "inductor"), ("mamba_forecaster_lg_test", "inductor"),
+@pytest.mark.parametrize("name,backend", [pytest.param("gpt2_qknorm_test", "inductor", marks=pytest.mark.slow),
+                                          pytest.param("mamba_forecaster_lg_test", "inductor", marks=pytest.mark.slow),
                                           ("patchtst_noln_test", "aot_eager"), ("toto_style_test", "aot_eager"),
                                           ("certblocks_vit_test", "aot_eager")])
 def test_torch_compile(name, backend):
