@@ -19,6 +19,7 @@ under a mixed policy each value is checked against the ``M`` of the dtype it is 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -695,7 +696,7 @@ def certify_stack(certs: Sequence[BlockCertificate], dtype: object, *, dt: float
     if mixed:
         head_checks = _peak_checks(head, prec, head=True) if head is not None else None
         crossing = _held_forward(coefficients, checks, head_u, head_checks, dt, r0)
-        forward_overflow = None if crossing is None else crossing.index + 1
+        forward_overflow = None if crossing is None else crossing.segment + 1
     else:
         forward_overflow = scan.forward_overflow
     fwd_seg = n if forward_overflow is None else min(n, forward_overflow - 1)
@@ -717,7 +718,7 @@ def certify_stack(certs: Sequence[BlockCertificate], dtype: object, *, dt: float
         """The failure at segment ``k < n`` (``n``: the head's forward), an unbounded peak named as such."""
         if k < n and k == blind and k != unknown:
             return _unbounded_failure(certs[k], k)
-        if crossing is not None and k == crossing.index and k == fwd_seg and fwd_seg <= bwd and not (
+        if crossing is not None and k == crossing.segment and k == fwd_seg and fwd_seg <= bwd and not (
                 unknown is not None and k == unknown):
             return _held_failure(crossing, certs, head, prec, dt)
         if mixed:  # what is left is a backward or unknown failure: against the gradient dtype's M
@@ -801,7 +802,7 @@ def _peak_checks(cert: BlockCertificate, prec: Precision, *, head: bool = False)
 class _Crossing(NamedTuple):
     """The first value that reaches the ``M`` of its dtype (:func:`_held_forward`)."""
 
-    index: int  # the segment (``n``: the head)
+    segment: int  # the segment's index (``n``: the head)
     kind: str  # "intermediate", "state" or "output"
     dtype: str
     peak: Optional[Peak]
@@ -834,11 +835,14 @@ def _held_forward(coefficients: Sequence[_budget.UpdateCoefficients], checks: Se
         with mpmath.workprec(_budget._PREC):
             return bool(value_mp() >= mpmath.mpf(M))
 
+    def peak_mp(k: int, u: _budget.UpdateCoefficients) -> Any:
+        return _budget._peak_mp(exact(k), u)
+
     def peak_crossing(k: int, group: List[Tuple[str, Peak]]) -> Optional[_Crossing]:
         for d, p in group:
             u = _budget.UpdateCoefficients(0.0, 0.0, pq=p.q, pc=p.c, pb=p.b)
             if reaches(_budget._peak_lo(lo, u), _budget._peak_hi(hi, u), _budget.float_max(d),
-                       lambda u=u: _budget._peak_mp(exact(k), u)):
+                       functools.partial(peak_mp, k, u)):
                 return _Crossing(k, "intermediate", d, p, _budget._peak_hi(hi, u), hi)
         return None
 
@@ -851,7 +855,7 @@ def _held_forward(coefficients: Sequence[_budget.UpdateCoefficients], checks: Se
         radius = hi
         hi, lo = _budget._step_hi(hi, u, dt), _budget._step_lo(lo, u, dt)
         d = checks[k].state
-        if reaches(lo, hi, _budget.float_max(d), lambda j=k + 1: exact(j)):
+        if reaches(lo, hi, _budget.float_max(d), functools.partial(exact, k + 1)):
             return _Crossing(k, "state", d, None, hi, radius)
     n = len(coefficients)
     if head_u is None or head_checks is None or head_u.q is None:
@@ -877,17 +881,17 @@ def _held_failure(c: _Crossing, certs: Sequence[BlockCertificate], head: Optiona
     module, dtype) and a lever."""
     n = len(certs)
     M = _budget.float_max(c.dtype)
-    cert = head if c.index == n else certs[c.index]
+    cert = head if c.segment == n else certs[c.segment]
     assert cert is not None
-    seg = "head" if c.index == n else cert.kind
-    label = f"the head '{cert.name or 'head'}'" if c.index == n else _segment_label(c.index, cert)
-    if c.index == n:
+    seg = "head" if c.segment == n else cert.kind
+    label = f"the head '{cert.name or 'head'}'" if c.segment == n else _segment_label(c.segment, cert)
+    if c.segment == n:
         at = f"at the last state's radius R_{n} = {_fmt_num(c.radius)}: the head is not certified at any depth"
     elif cert.is_update:
-        at = (f"at depth {sum(1 for u in certs[:c.index + 1] if u.is_update)} (input radius R_{c.index} = "
+        at = (f"at depth {sum(1 for u in certs[:c.segment + 1] if u.is_update)} (input radius R_{c.segment} = "
               f"{_fmt_num(c.radius)})")
     else:
-        at = f"at its input radius R_{c.index} = {_fmt_num(c.radius)} (a map is not certified at any depth)"
+        at = f"at its input radius R_{c.segment} = {_fmt_num(c.radius)} (a map is not certified at any depth)"
     if c.kind == "intermediate":
         assert c.peak is not None
         what, lever = c.peak.named_at(c.radius)
@@ -896,16 +900,16 @@ def _held_failure(c: _Crossing, certs: Sequence[BlockCertificate], head: Optiona
                   f"the {c.dtype} values there is {_fmt_num(c.bound)}")
         fix = lever or (f"keep the ops of {cert.name or 'this segment'} that run in {c.dtype} in a wider dtype "
                                f"(outside autocast), or lower their bound: {suggest_fix(cert, 'intermediate')}")
-        return Failure(c.index, cert.name, "forward", reason, fix, seg)
+        return Failure(c.segment, cert.name, "forward", reason, fix, seg)
     if c.kind == "output":
         reason = (f"the output of {label}, held in {c.dtype} under {prec.name}, has the bound {_fmt_num(c.bound)}: it "
                   f"can reach {c.dtype}'s M = {M:.4g} {at}")
-        return Failure(c.index, cert.name, "forward", reason,
+        return Failure(c.segment, cert.name, "forward", reason,
                        f"keep the head's last matmul in fp32 (outside autocast), or lower its output bound: "
                        f"{suggest_fix(cert, 'forward')}", seg)
     reason = (f"the state after {label}, held in {c.dtype} (the residual stream under {prec.name}), can reach "
               f"{c.dtype}'s M = {M:.4g} {at}: its bound {_fmt_num(c.bound)}")
-    return Failure(c.index, cert.name, "forward", reason, suggest_fix(cert, "forward"), seg)
+    return Failure(c.segment, cert.name, "forward", reason, suggest_fix(cert, "forward"), seg)
 
 
 def _precision_notes(certs: Sequence[BlockCertificate], head: Optional[BlockCertificate],

@@ -237,7 +237,10 @@ def fp8_scales(model: nn.Module, example_input: Any, *, r0: Optional[float] = No
             found[path] = (max(p, old[0]) if old else p, (old[1] + 1) if old else 1, (old[2] if old else "") or why)
     out: Dict[str, Fp8Scale] = {}
     for path, (peak, calls, why) in found.items():
-        w = g.get_module(path).weight.detach()
+        mod = g.get_module(path)
+        if not isinstance(mod, nn.Linear):
+            raise TypeError(f"fp8_scales: {path!r} is not an nn.Linear in the captured graph ({type(mod).__name__})")
+        w = mod.weight.detach()
         wmax = float(w.abs().max()) if w.numel() else 0.0
         out[path] = Fp8Scale(path, peak, _scale_up(peak / top) if math.isfinite(peak) else math.inf, wmax,
                              _scale_up(wmax / top), calls, why if not math.isfinite(peak) else "")
@@ -304,7 +307,7 @@ def fp8_emulation(model: nn.Module, scales: Union[str, Mapping[str, Fp8Scale]] =
                 b = None if mod.bias is None else mod.bias.float()
                 return F.linear(qx, qw, b)
 
-        mod.forward = forward  # an instance attribute: removed on exit
+        mod.forward = forward  # type: ignore[method-assign,assignment]  # an instance attribute: removed on exit
         patched.append(mod)
     try:
         yield stats

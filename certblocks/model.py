@@ -299,7 +299,7 @@ class Envelope:
     def used(self) -> Tuple[str, Optional[int], Optional[float]]:
         """``(dtype, seq_len, r0)`` of the runs so far: the certified ones widened by what was seen (``dtype``: the
         certified policy's name, or the narrower dtype a forward ran in)."""
-        dtype = self.seen_dtype or getattr(self, "policy", self.dtype)
+        dtype = self.seen_dtype or self.policy
         seq_len = self.seq_len if self.seen_seq_len is None else self.seen_seq_len
         r0 = self.r0 if self.seen_r0 is None else self.seen_r0
         return dtype, seq_len, r0

@@ -256,9 +256,8 @@ def digits_split(images: torch.Tensor, labels: torch.Tensor, mean: Sequence[floa
 
 
 def vit_part(a: argparse.Namespace) -> Dict[str, Any]:
-    import timm
-
     import certblocks.zoo  # noqa: F401  (registers the certblocks ViTs with timm)
+    import timm
 
     torch.manual_seed(a.seed)
     kw = dict(num_classes=10, img_size=32, patch_size=8, certify=False)

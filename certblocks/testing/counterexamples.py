@@ -397,9 +397,9 @@ def search_held(v: Velocity, certificate: BlockCertificate, example: Example, pr
 
     def run(x: Tensor) -> Tensor:
         if prec.autocast_dtype is None:
-            return module(x)  # type: ignore[misc,operator]
+            return module(x)
         with torch.autocast(x.device.type, dtype=torch_dtype(prec.autocast_dtype)):
-            return module(x)  # type: ignore[misc,operator]
+            return module(x)
 
     s = _prepare(run, example, stream, False, device, radii=tuple(radii), count=count, restarts=restarts,
                  from_best=from_best, steps=steps, lr=lr, power_iters=0, seed=seed, families=tuple(families),
@@ -416,6 +416,9 @@ def search_held(v: Velocity, certificate: BlockCertificate, example: Example, pr
         for dt, (total, each) in rec.items():
             name = _dtype_label(dt)
             peak = held.get(name, certificate.peak) if name else certificate.peak
+            if peak is None:
+                raise ValueError(f"certificate {certificate.name!r} has no peak for the {name or 'held'} values: "
+                                 "a held-dtype search needs the certificate's per-dtype peaks")
             bound = peak.bound(r)
             rr = _ratio(each.detach(), bound)
             rt = _ratio(total.detach().reshape(1), bound)  # tensors without the batch dimension too (the batch's)

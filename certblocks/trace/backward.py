@@ -460,7 +460,7 @@ class _SegmentPass:
             return None
         v = self.values.get(a.name)
         if isinstance(v, AValue):
-            if v.const:
+            if v.const and v.value is not None:
                 return max_abs(v.value)
             return _eval(v.entry_bound(), self.radius)
         conc = self.g.env.get(a.name)
@@ -480,15 +480,16 @@ class _SegmentPass:
                 jac = _eval(b.jacobian, self.radius)
             out.append(_Group(call.input.name, o, set(call.members) - {o}, jac, False,
                               f"own certificate of {type(call.module).__name__} ({call.path})"))
-        for o, grp in it.atom_groups.items():
-            y = self.values.get(grp.input.name)
+        for o, atom_grp in it.atom_groups.items():
+            y = self.values.get(atom_grp.input.name)
             jac = None
             if isinstance(y, AValue):
                 unit = dataclasses.replace(y, jacobian=Poly.const(1.0))
-                av = it._apply_atom(grp.atom, unit, self.g.get_module(grp.path), _shape(self.g, grp.output), "", ())
+                av = it._apply_atom(atom_grp.atom, unit, self.g.get_module(atom_grp.path),
+                                    _shape(self.g, atom_grp.output), "", ())
                 jac = _eval(av.jacobian, self.radius)
-            out.append(_Group(grp.input.name, o, {m.name for m in grp.members} - {o}, jac, False,
-                              f"atom {grp.atom.name} ({grp.path})"))
+            out.append(_Group(atom_grp.input.name, o, {m.name for m in atom_grp.members} - {o}, jac, False,
+                              f"atom {atom_grp.atom.name} ({atom_grp.path})"))
         for n in self.order:
             grp = self._recognized(n)
             if grp is not None:
@@ -771,8 +772,10 @@ class _SegmentPass:
                         rows_ += lk * gk.rows
                     elif isinstance(rf, tuple):
                         rows_ += min(rf[1] * lk * gk.rows, lk * gk.total)
+                    elif isinstance(rf, (int, float)):
+                        rows_ += rf * gk.rows
                     else:
-                        rows_ += rf * gk.rows if rf is not None else lk * gk.total
+                        rows_ += lk * gk.total
                     if gk.why:
                         whys.append(gk.why)
                 c_why = next((w for w in whys if w), "")
@@ -1206,7 +1209,7 @@ def autograd_gradients(g: CapturedGraph, args: Sequence[Any], cotangent: Union[t
             continue
         v = state[spec.target] if spec.target in state else consts.get(spec.target)
         p = params.get(g.params.get(ph.name, ""))
-        if p is not None and p.requires_grad:
+        if p is not None and p.requires_grad and v is not None:
             v = v.detach().clone().requires_grad_(True)
             leaves[ph.name] = v
         vals.append(v)

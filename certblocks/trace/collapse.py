@@ -150,7 +150,7 @@ def held_peaks(it: VelocityInterpreter) -> Dict[str, Peak]:
         found = [b if b.dtype is not None else b._replace(dtype=narrow) for b in found]
         dtypes = {b.dtype for b in found}
     out: Dict[str, Peak] = {}
-    for dtype in sorted(dtypes, key=lambda d: DTYPE_MAX[d]):
+    for dtype in sorted((d for d in dtypes if d is not None), key=lambda d: DTYPE_MAX[d]):
         mine = [b for b in found if b.dtype == dtype]
         parts, seen = [], set()
         for b in mine:  # each distinct bound once, named by its first value in graph order (a view is its source)

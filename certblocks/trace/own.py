@@ -380,8 +380,11 @@ def scaled_certificate(cert: BlockCertificate, factor: float, name: str = "") ->
 
     peak: Optional[Peak] = cert.peak
     if peak is not None and factor > 1.0:
-        peak = fold_peak([power_terms(peak.q, peak.c, peak.b), power_terms(cert.q, up(cert.c), up(cert.b))],
-                         peak.what)
+        if cert.q is None:  # the scaled output's bound has no exponent to fold with
+            peak = Peak.unbounded(f"{peak.what}, scaled by {factor:g}: the certificate's exponent is not derived")
+        else:
+            peak = fold_peak([power_terms(peak.q, peak.c, peak.b), power_terms(cert.q, up(cert.c), up(cert.b))],
+                             peak.what)
     return dataclasses.replace(cert, c=up(cert.c), b=up(cert.b), l1=up(cert.l1), l0=up(cert.l0), peak=peak,
                                name=name or cert.name)
 
