@@ -533,6 +533,7 @@ class _Check:
         eps = torch.finfo(dtype).eps
         self.rtol = max(effort.rtol, 1e3 * eps)  # a float32 op rounds at 1e-7: its bound gets that much room
         self.eps, self.h = eps, max(1e-6, 10 * math.sqrt(eps))  # the rounding unit, a difference step
+        # an integer or boolean value has derivative 0 (autograd passes no gradient through it): any bound holds
         self.jac_nodes = [k for k, n in enumerate(nodes) if n.floating and n.av.jacobian is not None and not n.av.const]
         self.random: Set[int] = set()  # nodes whose values are random (dropout in training, rrelu, rand_like)
         self.grad_ok = True  # every op of the graph has a derivative (else: no ascent, difference quotients only)
@@ -573,7 +574,6 @@ class _Check:
                     self.fail(k, "constant", diff, 0.0, r, "a constant (read at its example value) that changes with x"
                               f" (largest change {diff:.4g})")
                 continue
-            # an integer or boolean value has derivative 0 (autograd passes no gradient through it): any bound holds
             n_val, m_val = float(_row_norm(t)), float(_max_abs(t))
             nan = bool(torch.isnan(t).any()) if (t.is_floating_point() or t.is_complex()) else False
             for check, poly, val in (("growth", av.growth, n_val), ("entries", av.entry_bound(), m_val)):
