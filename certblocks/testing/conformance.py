@@ -16,7 +16,8 @@ check           the promise
 ``entries``     ``max |t(x)| <= max_abs(R)`` (``growth(R)`` when no entry bound is derived): the node's
                 contribution to the velocity's peak
 ``jacobian``    ``N(J(x) v) <= jacobian(R) N(v)`` for every tangent ``v`` (operator norm induced by the row
-                norms); an integer or boolean value that takes two values in the ball has no finite bound
+                norms), ``J(x)`` the derivative autograd computes at ``x`` (docs/theory.md section 1.1: at a switch,
+                the derivative of the branch it takes; an integer or boolean value has derivative 0)
 ``sign``        every entry ``>= 0`` (``"+"``), ``<= 0`` (``"-"``), ``= 0`` (``"0"``)
 ``stochastic``  entries ``>= 0`` summing to 1 along ``stochastic_dim``
 ``constant``    a constant value is the same for every ``x`` (a rule that reads a value computed from ``x``, such
@@ -28,19 +29,23 @@ check           the promise
 
 The values are searched, in float64, at the sample, at the sample rescaled to a few radii, at random draws of
 structured direction families on the same spheres, and at the end points of gradient ascents (Adam, the state
-projected on the sphere) that maximize every node's row norm, largest entry and a finite-difference
-Jacobian-vector product norm relative to their bounds; the Jacobian's operator norm is estimated from below at
-those points by an alternating maximization whose scores are exact vector-Jacobian products (a tangent that
-attains each score exists), and by difference quotients compared with the bound at the largest radius they
-touch (the mean value inequality).  Constants keep their values (every evaluation runs on copies: an op may
-write into its arguments), and each node's value is taken as the node computes it.  A check fails when ANY tested
-value exceeds its bound by more than a relative ``rtol`` (and a rounding allowance); a node with no bound at all
-is *refused* (sound by definition) and counted apart from the checked ones, unless an input's bound is itself
-not derived (then the sample is skipped for it, with the reason); a node whose input's bound is beaten is not
+projected on the sphere) that maximize every node's row norm, largest entry and a Jacobian-vector product norm
+relative to their bounds; the Jacobian's operator norm is estimated from below at those points by an alternating
+maximization whose scores are exact vector-Jacobian products (a tangent that attains each score exists).  For a
+continuous value, difference quotients are scored too, against the bound at the largest radius they touch (the mean
+value inequality).  A *piecewise* value (the interpreter's
+:attr:`~certblocks.trace.interp.VelocityInterpreter.piecewise`: computed through an index, a mask, a boolean or a
+rounding of the input, which jump) gets no difference quotient at all, since one across a jump measures the jump and
+not a derivative: its Jacobian-vector products are autograd's (forward mode, else the transpose of a double
+backward) and are scored exactly, like the vector-Jacobian products.  Constants keep their values (every evaluation
+runs on copies: an op may write into its arguments), and each node's value is taken as the node computes it.  A check
+fails when ANY tested value exceeds its bound by more than a relative ``rtol`` (and a rounding allowance); a node with
+no bound at all is *refused* (sound by definition) and counted apart from the checked ones, unless an input's bound is
+itself not derived (then the sample is skipped for it, with the reason); a node whose input's bound is beaten is not
 judged (the finding is its input's).  Random values (dropout in training) are checked at every draw, and get no
-difference quotient across two draws; a graph with an op that has no derivative gets difference quotients only.
-Rules that raise are listed (the tracer marks their nodes unknown).  NaN and inf in a sample's ``x`` are set to
-0 and +-1 (they are outside every certificate's domain).
+difference quotient across two draws; a graph with an op that has no derivative gets difference quotients only (none
+for its piecewise values).  Rules that raise are listed (the tracer marks their nodes unknown).  NaN and inf in a
+sample's ``x`` are set to 0 and +-1 (they are outside every certificate's domain).
 
 Each node is counted under the op whose rule produced it (``torch.export`` may record another op than the one
 called: the sample is attributed to the rules that actually ran); a multi-output op's values (its ``getitem``
@@ -496,6 +501,7 @@ class _Node:
     av: AValue
     example: Tensor
     floating: bool
+    piecewise: bool = False
     findings: Dict[str, Finding] = field(default_factory=dict)
 
     @property
@@ -527,8 +533,8 @@ class _Check:
         eps = torch.finfo(dtype).eps
         self.rtol = max(effort.rtol, 1e3 * eps)  # a float32 op rounds at 1e-7: its bound gets that much room
         self.eps, self.h = eps, max(1e-6, 10 * math.sqrt(eps))  # the rounding unit, a difference step
+        # an integer or boolean value has derivative 0 (autograd passes no gradient through it): any bound holds
         self.jac_nodes = [k for k, n in enumerate(nodes) if n.floating and n.av.jacobian is not None and not n.av.const]
-        self.varies: Dict[int, Tensor] = {}
         self.random: Set[int] = set()  # nodes whose values are random (dropout in training, rrelu, rand_like)
         self.grad_ok = True  # every op of the graph has a derivative (else: no ascent, difference quotients only)
 
@@ -568,11 +574,6 @@ class _Check:
                     self.fail(k, "constant", diff, 0.0, r, "a constant (read at its example value) that changes with x"
                               f" (largest change {diff:.4g})")
                 continue
-            if not node.floating and av.jacobian is not None:
-                first = self.varies.setdefault(k, t.clone())
-                if first.shape == t.shape and not _same(first, t):
-                    self.fail(k, "jacobian", math.inf, float(av.jacobian(r)), r,
-                              "a Jacobian bound for an integer/boolean value that takes two values in the ball")
             n_val, m_val = float(_row_norm(t)), float(_max_abs(t))
             nan = bool(torch.isnan(t).any()) if (t.is_floating_point() or t.is_complex()) else False
             for check, poly, val in (("growth", av.growth, n_val), ("entries", av.entry_bound(), m_val)):
@@ -621,9 +622,11 @@ class _Check:
         For an output row ``i`` and a unit vector ``u`` the vector-Jacobian product ``g = J^T (u at row i)`` scores
         ``sum_j ||g_j||`` (the rows ``j`` of ``x``): the tangent ``v = g_j / ||g_j||`` row by row (row norm 1)
         attains it, ``<u, (J v)_i> = sum_j ||g_j||``, so it never exceeds the operator norm.  The next ``u`` is the
-        largest row of a difference quotient ``J v``, which is itself scored against the bound at the largest
-        radius it touches.  Without derivatives (an op with none, a random op) only the quotients along random
-        tangents are scored (and none for random values, whose two evaluations draw anew).
+        largest row of ``J v``: for a continuous value a difference quotient, itself scored against the bound at the
+        largest radius it touches; for a piecewise value autograd's Jacobian-vector product (:meth:`exact_jvp`), scored
+        at ``x`` (a quotient across a jump would measure the jump).  Without derivatives (an op with none, a random op)
+        only the quotients along random tangents are scored (and none for random values, whose two evaluations draw
+        anew, nor for piecewise ones).
         """
         if not self.jac_nodes:
             return
@@ -639,6 +642,16 @@ class _Check:
             rows = _rows(_real(out.detach()))
             i = int(rows.norm(dim=-1).nan_to_num(0.0).argmax())
             u = rows[i].clone() if bool(rows[i].any()) else torch.ones(rows.shape[1], dtype=torch.float64)
+            if node.piecewise and k not in self.random:  # a branch's derivative may be largest at any row: start from
+                # autograd's J v along a random tangent (scored), at its largest row
+                v0 = _unit_rows(torch.randn(x.shape, generator=self.gen, dtype=torch.float64).to(x.dtype))
+                jv0 = self.exact_jvp(x, v0, k)
+                if jv0 is not None:
+                    self.score_jvp(k, jv0, v0, r, "a random tangent")
+                    rows0 = _rows(_real(jv0))
+                    i0 = int(rows0.norm(dim=-1).nan_to_num(0.0).argmax())
+                    if bool(torch.isfinite(rows0[i0]).all()) and bool(rows0[i0].any()):
+                        i, u = i0, rows0[i0].clone()
             for _ in range(max(self.e.power_iters, 1)):
                 g = self.vjp(out, xg, rows.shape, i, u) if out.requires_grad else None
                 if g is not None:
@@ -648,6 +661,18 @@ class _Check:
                     v = _unit_rows(g.detach().to(x.dtype))
                 else:
                     v = _unit_rows(torch.randn(x.shape, generator=self.gen, dtype=torch.float64).to(x.dtype))
+                if node.piecewise:  # autograd's J v at x, never a quotient across a jump
+                    jv = None if k in self.random else self.exact_jvp(x, v, k)
+                    if jv is None:
+                        break
+                    self.score_jvp(k, jv, v, r, "a vector-Jacobian product's tangent")
+                    jv = _real(jv)
+                    jr = _rows(jv)
+                    i = int(jr.norm(dim=-1).nan_to_num(0.0).argmax())
+                    u = jr[i].clone()
+                    if not bool(torch.isfinite(u).all()) or not bool(u.any()):
+                        break
+                    continue
                 jv, rad, slack = self.difference(x, v, k)
                 if jv is None:
                     break
@@ -674,6 +699,37 @@ class _Check:
             self.grad_ok = False
             return None
         return g
+
+    def exact_jvp(self, x: Tensor, v: Tensor, k: int) -> Optional[Tensor]:
+        """Autograd's ``J v`` of node ``k`` at ``x``: the transpose of a double backward (``J v = d/du <J^T u, v>``, the
+        vector-Jacobian products the backward computes), else forward mode checked against them (a custom op without
+        a forward-mode derivative gives zeros silently); ``None`` when neither holds (an op without a derivative)."""
+        if not self.grad_ok:
+            return None
+        try:
+            with torch.enable_grad():
+                xg = x.detach().clone().requires_grad_(True)
+                out = _real(self.prog(xg)[k])
+                u = torch.zeros_like(out, requires_grad=True)
+                g = torch.autograd.grad(out, xg, u, create_graph=True, allow_unused=True)[0]
+                if g is None or not g.requires_grad:  # no path from x: the derivative is 0
+                    return torch.zeros_like(out).detach()
+                jv = torch.autograd.grad(g, u, v.to(g.dtype), allow_unused=True)[0]
+            return torch.zeros_like(out).detach() if jv is None else jv.detach()
+        except Exception:  # a backward that is not differentiable: forward mode, if it agrees with the backward
+            pass
+        try:
+            jv = _real(torch.func.jvp(lambda z: self.prog(z)[k], (x.detach(),), (v.detach(),))[1].detach())
+            u = torch.randn(jv.shape, generator=self.gen, dtype=torch.float64).to(jv.dtype)
+            xg = x.detach().clone().requires_grad_(True)
+            with torch.enable_grad():
+                gu = torch.autograd.grad(_real(self.prog(xg)[k]), xg, u, allow_unused=True)[0]
+            lhs = float((u * jv).sum())
+            rhs = 0.0 if gu is None else float((gu.to(torch.float64) * v.to(torch.float64)).sum())
+            scale = float(u.norm() * jv.norm()) + (0.0 if gu is None else float(gu.norm() * v.norm()))
+            return jv if abs(lhs - rhs) <= 1e-6 * scale + 1e-300 else None
+        except Exception:  # no derivative at all
+            return None
 
     def difference(self, x: Tensor, v: Tensor, k: int) -> Tuple[Optional[Tensor], float, float]:
         """``(f(x + h v) - f(x - h v)) / 2h`` of node ``k`` (per unit of ``N(v)``), the largest row norm of
@@ -730,14 +786,16 @@ class _Check:
         return total
 
     def ascend(self, starts: List[Tensor], radius: float) -> None:
-        """Adam from each start on the sum over nodes of value / bound (row norm, largest entry, a difference
-        quotient along a learned tangent), the state on the sphere of ``radius``; every visited point is
-        checked, the end points' Jacobians scored."""
+        """Adam from each start on the sum over nodes of value / bound (row norm, largest entry, and along a learned
+        tangent a difference quotient, or for a piecewise value autograd's Jacobian-vector product), the state on the
+        sphere of ``radius``; every visited point is checked, the end points' Jacobians scored."""
         pol = [(k, n) for k, n in enumerate(self.nodes) if n.floating and not n.av.const]
         if not pol:
             return
         bounds = {k: {c: p(radius) if p is not None else None for c, p in n.bounds.items()} for k, n in pol}
-        need_j = any(bounds[k]["jacobian"] is not None and k not in self.random for k, _ in pol)
+        wants = [k for k, n in pol if bounds[k]["jacobian"] is not None and k not in self.random]
+        need_j = any(not self.nodes[k].piecewise for k in wants)
+        need_exact = any(self.nodes[k].piecewise for k in wants)
         h = 1e2 * self.h * max(radius, 1e-3)
         for x0 in starts:
             z = _on_sphere(x0, math.sqrt(max(x0.shape[-1] if x0.dim() else 1, 1))).detach().requires_grad_(True)
@@ -753,6 +811,9 @@ class _Check:
                     v = _unit_rows(w)
                     hi = self.prog(x + h * v) if need_j else None
                     lo = self.prog(x - h * v) if need_j else None
+                    tangents = self.tangents(x, v) if need_exact else None
+                    for k in [k for k in wants if self.nodes[k].piecewise] if tangents is not None else []:
+                        self.score_jvp(k, tangents[k], v, radius, "the ascent's tangent")
                     obj = x.new_zeros((), dtype=torch.float64)
                     for k, _ in pol:
                         t, b = outs[k], bounds[k]
@@ -762,7 +823,12 @@ class _Check:
                             obj = obj + _row_norm(t) / max(b["growth"], _TINY)
                         if b["entries"] is not None:
                             obj = obj + _max_abs(t) / max(b["entries"], _TINY)
-                        if b["jacobian"] is not None and hi is not None and k not in self.random:
+                        if b["jacobian"] is None or k in self.random:
+                            continue
+                        if self.nodes[k].piecewise:
+                            if tangents is not None:
+                                obj = obj + _row_norm(tangents[k]) / max(b["jacobian"], _TINY)
+                        elif hi is not None:
                             obj = obj + _row_norm((_real(hi[k]) - _real(lo[k])) / (2 * h)) / max(b["jacobian"], _TINY)
                     if not obj.requires_grad or not torch.isfinite(obj):
                         break
@@ -771,6 +837,26 @@ class _Check:
                 w.grad = None if gw is None else torch.nan_to_num(gw, nan=0.0, posinf=0.0, neginf=0.0)
                 opt.step()
             self.jacobian(_on_sphere(z.detach(), radius))
+
+    def score_jvp(self, k: int, jv: Tensor, v: Tensor, radius: float, along: str) -> None:
+        """Score autograd's ``J v`` of node ``k`` at a point of row norm ``radius``: exact, ``N(J v) <= jacobian(R)
+        N(v)``."""
+        nv = float(_row_norm(v))
+        if not nv > 0:
+            return
+        bound = float(self.nodes[k].av.jacobian(radius))
+        val = float(_row_norm(jv)) / nv
+        if self.beaten(val, bound, 1e-12):
+            self.fail(k, "jacobian", val, bound, radius, f"a Jacobian-vector product (exact, autograd's) along {along}")
+
+    def tangents(self, x: Tensor, v: Tensor) -> Optional[Tuple[Tensor, ...]]:
+        """Autograd's ``J v`` of every node at ``x`` by forward mode, differentiable in ``x`` and ``v`` (the ascent's
+        objective for piecewise values); ``None`` when an op has no forward-mode derivative (the ascent then steers
+        by the other terms, and :meth:`jacobian` scores the end points exactly)."""
+        try:
+            return tuple(_real(t) for t in torch.func.jvp(self.prog, (x,), (v,))[1])
+        except Exception:
+            return None
 
 
 #: Ops whose values are random (two runs at the same input differ): no difference quotient across two runs.
@@ -814,9 +900,11 @@ def _node_op(n: torch.fx.Node) -> str:
     return op_name(n.target) if n.op == "call_function" else n.op
 
 
-def _interpret(g: CapturedGraph, x: torch.fx.Node) -> Tuple[Dict[str, Any], List[torch.fx.Node]]:
-    """Every output's velocity from ``x``: the abstract values by node name and the nodes in graph order."""
+def _interpret(g: CapturedGraph, x: torch.fx.Node) -> Tuple[Dict[str, Any], List[torch.fx.Node], Set[str]]:
+    """Every output's velocity from ``x``: the abstract values by node name, the nodes in graph order and the names of
+    the piecewise values (:attr:`~certblocks.trace.interp.VelocityInterpreter.piecewise`)."""
     values: Dict[str, Any] = {}
+    piecewise: Set[str] = set()
     dep = g.depends_on_input()
     for out in g.outputs:
         if out.name not in dep or out is x:
@@ -825,7 +913,8 @@ def _interpret(g: CapturedGraph, x: torch.fx.Node) -> Tuple[Dict[str, Any], List
         it.run()
         for name, v in it.values.items():
             values.setdefault(name, v)
-    return values, [n for n in g.nodes if n.name in values and n is not x]
+        piecewise |= set(it.piecewise)
+    return values, [n for n in g.nodes if n.name in values and n is not x], piecewise
 
 
 def _derived(v: Any) -> bool:
@@ -963,7 +1052,7 @@ def _check_one(sample: Sample, intended: List[str], source: str, effort: Effort,
             for k, v in module.named_buffers():
                 v.copy_(pristine[k])
         try:
-            values, order = _interpret(g, g.user_inputs[0])
+            values, order, piecewise = _interpret(g, g.user_inputs[0])
         except Exception as exc:  # the tracer itself raised (a strict mode that raises on a rule's error)
             rep.crashes.setdefault(f"the tracer raised {type(exc).__name__}: {exc}", f"{label} [{variant}]")
             rep.row(first).skip("the tracer raised")
@@ -972,7 +1061,7 @@ def _check_one(sample: Sample, intended: List[str], source: str, effort: Effort,
         if intended and not reached & set(intended):
             shown = ", ".join(sorted(reached)) or "nothing (the output is the input)"
             rep.row(first).skip(f"exported as {shown}")
-        nodes = _checked_nodes(g, order, values, rules, rep, f"{label} [{variant}]", source)
+        nodes = _checked_nodes(g, order, values, rules, rep, f"{label} [{variant}]", source, piecewise)
         if not nodes:
             continue
         gen = torch.Generator().manual_seed(seed + zlib.crc32(f"{label}|{variant}".encode()))
@@ -989,7 +1078,8 @@ def _check_one(sample: Sample, intended: List[str], source: str, effort: Effort,
 
 
 def _checked_nodes(g: CapturedGraph, order: List[torch.fx.Node], values: Mapping[str, Any], rules: Mapping[str, Any],
-                   rep: ConformanceReport, where: str, source: str) -> List[_Node]:
+                   rep: ConformanceReport, where: str, source: str,
+                   piecewise: Optional[Set[str]] = None) -> List[_Node]:
     """The nodes that state something to check; counts the others (refused, skipped, unruled) and the crashes."""
     nodes: List[_Node] = []
     for n in order:
@@ -1008,7 +1098,8 @@ def _checked_nodes(g: CapturedGraph, order: List[torch.fx.Node], values: Mapping
         elif op in _UNSPECIFIED:
             rep.row(op).skip("values unspecified (uninitialized memory)")
         else:
-            node = _Node(n.name, op, av, conc.detach().clone(), conc.is_floating_point() or conc.is_complex())
+            node = _Node(n.name, op, av, conc.detach().clone(), conc.is_floating_point() or conc.is_complex(),
+                         n.name in (piecewise or ()))
             if node.states_something():
                 nodes.append(node)
             elif _inputs_known(n, values):

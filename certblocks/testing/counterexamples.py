@@ -21,7 +21,7 @@ from .._validation import check_real
 from ..certificate import BlockCertificate
 from ._constants import _DEFAULT_COUNT, CHECKS, DEFAULT_RADII, DEFAULT_RTOL, FAMILIES, Device, Example, Velocity
 from .inputs import _check_count, _check_radius, _check_shape, _on_sphere, _unit_tokens, random_inputs, token_norm
-from .jacobian import _jacobian_lower, _jvp, _resolve_jvp
+from .jacobian import EXACT_JVP, _jacobian_lower, _jvp, _resolve_jvp
 from .record import _record, held_intermediates
 from .results import CheckResult, SoundnessReport, _Best
 
@@ -204,9 +204,9 @@ class _Search:
             better = rr > top["ratio"]
             top["ratio"] = torch.where(better, rr, top["ratio"])
             top["x"][better] = xs.detach()[better]
-            if mode == "forward":  # exact: counts; central differences only steer
+            if mode in EXACT_JVP:  # autograd's J w: counts; central differences only steer
                 best.update(rr, val, bound, r, xs, ws)
-            return val / denom, mode != "forward" or bool(torch.isfinite(rr).all())
+            return val / denom, mode not in EXACT_JVP or bool(torch.isfinite(rr).all())
 
         _ascend([z] if w is None else [z, w], step, s.steps, s.lr)
         if w is not None:  # the end points and each ascent's best point, scored exactly
@@ -298,8 +298,9 @@ def search(v: Velocity, certificate: BlockCertificate, example: Example, *, radi
         cast: cast a module that is not in ``dtype`` (on a copy; the module is left unchanged).
         device: where the inputs live (default: the module's device, else the CPU).
         families: the direction families of the draws (:data:`FAMILIES`).
-        jvp: Jacobian-vector products by ``"forward"``-mode AD, ``"central"`` differences (for modules
-            without forward-mode AD; they only steer, scores stay exact) or ``"auto"``.
+        jvp: Jacobian-vector products by ``"forward"``-mode AD, the transpose of a ``"double"`` backward,
+            ``"central"`` differences (for modules with neither; they only steer, scores stay exact: never a
+            difference quotient across a jump of a piecewise map) or ``"auto"`` (forward, else central).
         rtol: the rounding allowance: a ratio above ``1 + rtol`` is a counterexample.
 
     Returns:

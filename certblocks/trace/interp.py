@@ -18,6 +18,16 @@ suite sets it) the exception propagates instead: a rule that crashes is a bug.
 :attr:`VelocityInterpreter.notes` lists every value read at its example although it depends on a model input
 (a mask or another input of the model, read as a constant of the velocity) and every certified module traced
 generically instead of by its own certificate; the certificate carries them.
+
+**Piecewise maps.**  The Jacobian bound a rule computes is a bound of the derivative autograd computes at every input
+of the ball (docs/theory.md section 1.1): where the map is differentiable that is its derivative, and where an
+input-dependent index, mask, boolean or rounding switches between branches (a router's top-k, ``where``,
+``masked_fill``, a gather by a computed index) it is the derivative of the branch autograd takes.  Such a map jumps
+between branches, so its Jacobian bound is not a Lipschitz constant between two inputs.
+:attr:`VelocityInterpreter.piecewise` names every such value (an integer or boolean value computed from a floating
+input, a rounding or a sign of one, and every value computed from them) and where its jumps come from; when the
+velocity's output is one, the notes say so (:data:`PIECEWISE_NOTE`).  A rule for an op that jumps on floating values
+(a user's op) marks its node itself: ``it.piecewise[node.name] = ("<node> (<why>)",)``.
 """
 
 from __future__ import annotations
@@ -33,10 +43,11 @@ from ..bounds.poly import Poly
 from . import atoms as _atoms
 from . import own as _own
 from .nodes import bind_args, op_name
+from .report import PIECEWISE_NOTE
 from .rules import check_call, rule_for
 from .values import AValue
 
-__all__ = ["VelocityInterpreter", "AtomGroup", "STRICT_ENV", "strict_rules"]
+__all__ = ["VelocityInterpreter", "AtomGroup", "STRICT_ENV", "strict_rules", "PIECEWISE_NOTE", "JUMP_OPS"]
 
 #: The environment variable that makes a rule's exception propagate (``"1"``) instead of giving "unknown".
 STRICT_ENV = "CERTBLOCKS_STRICT_RULES"
@@ -48,6 +59,9 @@ def strict_rules() -> bool:
 
 # ops whose result is random even when their inputs are constants: never folded into a constant
 _RANDOM = ("rand", "normal", "bernoulli", "dropout", "empty", "multinomial")
+
+#: Floating-valued ops that jump with their input (integer and boolean values are recognized by their dtype).
+JUMP_OPS = frozenset({"aten.round", "aten.floor", "aten.ceil", "aten.trunc", "aten.sign"})
 
 
 class AtomGroup(NamedTuple):
@@ -80,6 +94,8 @@ class VelocityInterpreter:
         #: Values read at their example although they depend on a model input, and certified modules traced
         #: generically (module docstring); in order, without repeats.
         self.notes: List[str] = []
+        #: Piecewise values (module docstring): node name -> the switches it depends on (``"node (rule)"``).
+        self.piecewise: Dict[str, Tuple[str, ...]] = {}
         self._user_dep: Optional[Set[str]] = None
 
     # ------------------------------------------------------------------------------------------
@@ -106,7 +122,34 @@ class VelocityInterpreter:
                     av = self.unknown_like(n, f"{op_name(n.target)}: rule failed",
                                            f"the rule for {op_name(n.target)} raised {type(exc).__name__}: {exc}")
             self.values[n.name] = av
+            self._mark_piecewise(n, av)
+        if self.out.name in self.piecewise:
+            self.note(f"{PIECEWISE_NOTE} (switches: {', '.join(self.piecewise[self.out.name])})")
         return self.value(self.out)
+
+    def _mark_piecewise(self, n: torch.fx.Node, av: Any) -> None:
+        """Record ``n`` in :attr:`piecewise` when its value jumps with a floating velocity input (module docstring): an
+        integer or boolean value computed from it, a rounding or a sign of it, or a value computed from such a value."""
+        x = self.g.env.get(self.x.name)
+        if not (isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())):
+            return  # token ids: no continuity to speak of (no gradient flows into them)
+        if n.name in self.certified_calls:
+            ins: List[Any] = [self.certified_calls[n.name][0].input]
+        elif n.name in self.atom_groups:
+            ins = [self.atom_groups[n.name].input]
+        else:
+            ins = list(n.all_input_nodes)
+        inherited = tuple(dict.fromkeys(s for a in ins for s in self.piecewise.get(a.name, ())))
+        first = av[0] if isinstance(av, (list, tuple)) and av else av
+        if not isinstance(first, AValue) or first.const:
+            return
+        conc = self.g.env.get(n.name)
+        jumps = (isinstance(conc, torch.Tensor) and not (conc.is_floating_point() or conc.is_complex())) or \
+            (n.op == "call_function" and op_name(n.target) in JUMP_OPS)
+        if jumps and not inherited:
+            self.piecewise[n.name] = (f"{n.name} ({first.rule})",)
+        elif inherited:
+            self.piecewise[n.name] = inherited
 
     # helpers ----------------------------------------------------------------------------------
     def shape_of(self, n: torch.fx.Node) -> Tuple[int, ...]:

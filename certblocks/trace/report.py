@@ -15,10 +15,14 @@ from ..exponents import Exponents
 from ..failures import Failure
 from .values import AValue
 
-__all__ = ["NodeRow", "TraceCertificate", "ModelCertificate", "Unbounded", "NOT_DERIVED", "jsonable"]
+__all__ = ["NodeRow", "TraceCertificate", "ModelCertificate", "Unbounded", "NOT_DERIVED", "PIECEWISE_NOTE", "jsonable"]
 
 #: Coefficient reported when no finite bound was derived (the certificate stays sound: it is huge).
 NOT_DERIVED = sys.float_info.max
+#: The note of a velocity whose output jumps between branches (an input-dependent index, mask, boolean or rounding:
+#: docs/theory.md section 1.1); the interpreter appends the switches.  Its Jacobian bound bounds the derivative autograd
+#: computes (the branch it takes) at every input of the ball, not a Lipschitz constant between two inputs.
+PIECEWISE_NOTE = "piecewise: the derivative bound is that of the branch autograd takes; the map jumps between branches"
 
 
 def _fmt(x: Optional[float]) -> str:
@@ -103,6 +107,11 @@ class TraceCertificate:
     @property
     def exponents(self) -> Exponents:
         return self.certificate.exponents
+
+    @property
+    def piecewise(self) -> bool:
+        """Whether the velocity jumps between branches (its notes say where: :data:`PIECEWISE_NOTE`)."""
+        return any(str(note).startswith(PIECEWISE_NOTE) for note in self.notes)
 
     @property
     def q(self) -> Optional[float]:

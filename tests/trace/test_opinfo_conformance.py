@@ -5,6 +5,11 @@ inputs.
 
 * the checker finds each kind of planted defect in a rule of a custom op, passes a sound rule and counts a
   refusal apart;
+* switches (docs/theory.md section 1.1: the Jacobian bound is of the derivative autograd takes, the branch's): a
+  planted switch with a derivative bound too small is found by autograd's products, the same switch with a sound
+  bound passes although it jumps (no difference quotient across the jump), an integer step has derivative 0, and
+  the rules of ``where``, ``masked_fill``, gathers and reads by computed indices, order statistics, argmax,
+  comparisons and rounding conform on samples whose conditions and indices are computed from the input;
 * every registered rule has samples (an OpInfo naming it, hand-written ones, or a reason in
   ``conformance_samples.unreachable``): a new rule without them fails here;
 * the fast subset (the first float64 sample of each OpInfo, one per op, and the hand-written samples; the
@@ -51,22 +56,36 @@ X3 = torch.linspace(-2.0, 1.0, 24, dtype=torch.float64).reshape(2, 3, 4)
 
 
 # ---------------------------------------------------------------------------------------------- planted rules
-def _double(name: str, autograd: bool = True, integer: bool = False) -> None:
-    """A custom op ``cbconformance::<name>``: ``2 x`` (``integer``: ``x > 0`` as int64)."""
+def _double(name: str, autograd: bool = True, integer: bool = False, switch: bool = False) -> None:
+    """A custom op ``cbconformance::<name>``: ``2 x`` (``integer``: ``x > 0`` as int64; ``switch``: ``2 x + 1`` where
+    ``x > 0``, ``-3 x`` elsewhere, which jumps by 1 at 0, with autograd's derivative 2 or -3, the branch's)."""
     qual = f"{PLANTED}::{name}"
 
     def fwd(x: torch.Tensor) -> torch.Tensor:
+        if switch:
+            return torch.where(x > 0, 2 * x + 1, -3 * x)
         return (x > 0).long() if integer else 2 * x
 
     op = torch.library.custom_op(qual, fwd, mutates_args=(), schema="(Tensor x) -> Tensor")
     op.register_fake(lambda x: torch.empty_like(x, dtype=torch.long) if integer else torch.empty_like(x))
-    if autograd and not integer:
+    if switch:
+        torch.library.register_autograd(qual, lambda ctx, g: torch.where(ctx.x > 0, 2.0, -3.0) * g,
+                                        setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0]))
+    elif autograd and not integer:
         torch.library.register_autograd(qual, lambda ctx, g: 2 * g)
 
 
 def _scaled(x: AValue, shape: Any, g: float = 2.0, m: float = 2.0, j: float = 2.0) -> AValue:
     return AValue(exps=x.exps, shape=tuple(shape), growth=x.growth.scale(g), max_abs=x.entry_bound().scale(m),
                   jacobian=x.jacobian.scale(j), rule="planted")
+
+
+def _switch(it: Any, n: Any, a: Any, shape: Any, j: float) -> AValue:
+    """The planted switch's rule: ``|out| <= 3 |x| + 1``, derivative bound ``j`` (3 is sound), marked piecewise."""
+    x = a["x"]
+    it.piecewise[n.name] = (f"{n.name} (planted switch)",)
+    return AValue(exps=x.exps, shape=tuple(shape), growth=x.growth.scale(3.0) + Poly.const(math.sqrt(shape[-1])),
+                  max_abs=x.entry_bound().scale(3.0) + Poly.const(1.0), jacobian=x.jacobian.scale(j), rule="planted")
 
 
 _PLANTED_RULES = {
@@ -79,9 +98,11 @@ _PLANTED_RULES = {
     "constant": lambda it, n, a, shape: AValue.constant(it.g.env[n.name]),
     "exponents": lambda it, n, a, shape: replace(_scaled(a["x"], shape), exps=E.Exponents(0.5, 0)),
     "refused": lambda it, n, a, shape: AValue.unknown(shape, "planted", "planted refusal"),
-    "step_lipschitz": lambda it, n, a, shape: AValue(exps=E.Exponents(0, 0), shape=tuple(shape),
-                                                     growth=Poly.const(math.sqrt(shape[-1])), max_abs=Poly.const(1.0),
-                                                     jacobian=Poly.const(1.0), rule="planted"),
+    "step": lambda it, n, a, shape: AValue(exps=E.Exponents(0, 0), shape=tuple(shape),
+                                           growth=Poly.const(math.sqrt(shape[-1])), max_abs=Poly.const(1.0),
+                                           jacobian=Poly.ZERO, rule="planted"),
+    "switch_low": lambda it, n, a, shape: _switch(it, n, a, shape, 2.0),
+    "switch_sound": lambda it, n, a, shape: _switch(it, n, a, shape, 3.0),
 }
 
 
@@ -89,14 +110,14 @@ def _planted_ready() -> None:
     if f"{PLANTED}.sound" in registered_rules():
         return
     for name, rule in _PLANTED_RULES.items():
-        _double(name, autograd=name != "jacobian_low_noad", integer=name == "step_lipschitz")
+        _double(name, autograd=name != "jacobian_low_noad", integer=name == "step", switch=name.startswith("switch"))
         register_rule(f"{PLANTED}::{name}")(rule)
 
 
 @pytest.mark.parametrize("kind, check", [("growth_low", "growth"), ("entries_low", "entries"),
                                          ("jacobian_low", "jacobian"), ("jacobian_low_noad", "jacobian"),
                                          ("sign_wrong", "sign"), ("constant", "constant"), ("exponents", "exponents"),
-                                         ("step_lipschitz", "jacobian")])
+                                         ("switch_low", "jacobian")])
 def test_planted_defect_is_found(kind: str, check: str) -> None:
     _planted_ready()
     rep = check_rule(f"{PLANTED}.{kind}", [Sample((X,))], effort=FAST)
@@ -121,6 +142,55 @@ def test_sound_rule_passes_and_refusal_is_counted_apart() -> None:
     rep = check_rule(f"{PLANTED}.refused", [Sample((X,))], effort=FAST)
     row = rep.rows[f"{PLANTED}.refused"]
     assert rep.ok and (row.checked, row.refused, row.failed) == (0, 1, 0), rep.table()
+
+
+def test_a_switch_is_checked_by_autograd_products_only() -> None:
+    """The planted switch jumps by 1 at 0 (a sample entry sits there): with the sound bound 3 it passes (a difference
+    quotient there would read 1/(2h)); with 2 its derivative, -3 on the negative entries, is found at ratio 3/2 by an
+    exact product.  An integer step's derivative is 0: any bound holds (the map jumps: no finding either)."""
+    _planted_ready()
+    x = X.clone()
+    x[1, 2] = 0.0
+    rep = check_rule(f"{PLANTED}.switch_sound", [Sample((x,)), Sample((X3,))], effort=FULL)
+    assert rep.ok and rep.rows[f"{PLANTED}.switch_sound"].checked == 2, rep.table()
+    rep = check_rule(f"{PLANTED}.switch_low", [Sample((x,))], effort=FULL)
+    found = [f for f in rep.findings if f.op == f"{PLANTED}.switch_low"]
+    assert {f.check for f in found} == {"jacobian"} and max(f.ratio for f in found) == pytest.approx(1.5, rel=1e-9)
+    assert all("exact" in f.detail for f in found), [f.detail for f in found]
+    rep = check_rule(f"{PLANTED}.step", [Sample((x,))], effort=FULL)
+    assert rep.ok and rep.rows[f"{PLANTED}.step"].checked == 1, rep.table()
+
+
+#: Samples whose conditions, masks and indices are computed from the input (the OpInfo samples hold them constant).
+SWITCH_SAMPLES = [
+    ("aten.where", lambda x: torch.where(x > 0, 2.0 * x + 1.0, torch.tanh(x))),
+    ("aten.where", lambda x: torch.where(x.sum(-1, keepdim=True) > 0.5, 10.0, -2.0)),
+    ("aten.masked_fill", lambda x: x.masked_fill(x < 0, 3.0)),
+    ("aten.gather", lambda x: x.gather(-1, x.argsort(-1).flip(-1))),
+    ("aten.gather", lambda x: x.gather(0, x.argmax(0, keepdim=True).expand(2, -1))),
+    ("aten.index", lambda x: x[..., x[0].argmax()]),
+    ("aten.index", lambda x: x[x[:, 0].argsort()]),
+    ("aten.index_select", lambda x: x.index_select(-1, x[0].argsort())),
+    ("aten.topk", lambda x: torch.topk(x, 2, dim=-1).values * torch.topk(x, 2, dim=-1).indices),
+    ("aten.sort", lambda x: torch.sort(x, dim=0).indices.to(x.dtype) + x),
+    ("aten.max", lambda x: x + 10.0 * x.max(-1, keepdim=True).indices.to(x.dtype)),
+    ("aten.argmax", lambda x: x * x.argmax(-1, keepdim=True)),
+    ("aten.gt", lambda x: (x > 0.5).to(x.dtype) * x),
+    ("aten.round", lambda x: torch.round(3.0 * x) * x),
+    ("aten.floor", lambda x: torch.floor(x) + torch.sign(x) * x),
+    ("aten.embedding", lambda x: torch.nn.functional.embedding(x.argmax(-1), x.new_ones(5, 3)) + x[..., :3]),
+]
+
+
+def test_switches_conform() -> None:
+    """The rules of switches on samples whose conditions and indices depend on the input (piecewise values: autograd's
+    products, no difference quotient), with the full search: no bound is beaten."""
+    samples = [(Sample((X,), fn=fn, label=f"{op} switch {k}"), [op], "hand")
+               for k, (op, fn) in enumerate(SWITCH_SAMPLES)]
+    rep = check_samples(samples, effort=FULL)
+    assert rep.ok and not rep.crashes, rep.table()
+    for op, _ in SWITCH_SAMPLES:
+        assert rep.rows[op].checked >= 1, rep.table()
 
 
 def test_variants_make_other_arguments_inputs() -> None:

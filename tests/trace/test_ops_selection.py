@@ -1,16 +1,25 @@
 """Rules for order statistics (topk, sort, cummax/cummin), entrywise extrema and clamps between tensors, a
-mixture of experts routed by topk, and module atoms around multi-output ops."""
+mixture of experts routed by topk, rounding and comparisons, and module atoms around multi-output ops.
+
+Indices, comparisons and roundings computed from the input are piecewise constant: their derivative is 0 and the
+certificate bounds the derivative autograd computes (docs/theory.md section 1.1), so a map that selects by them keeps
+``sigma`` derived and says that it is piecewise; the searches (random, gradient-ascent, and inputs at ties of the
+router or of the entries sorted) do not beat it.
+"""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import certblocks.testing as cbt
 from certblocks.exponents import Exponents
 from certblocks.trace import certify, register_atom, unregister_atom
+
+from .test_switches import derivative_holds, router_ties
 
 D, T = 6, 4
 SHAPE = (1, T, D)
@@ -53,10 +62,17 @@ class SortIndices(nn.Module):
         return x.gather(-1, torch.sort(x, dim=-1).indices.flip(-1))
 
 
-def test_sort_indices_are_discontinuous_values_are_not():
-    c = _certified(SortIndices())
-    assert c.q == 1 and c.sigma is None
-    assert "sort indices" in c.culprit and "sorted values are continuous" in c.culprit
+def test_sort_indices_select_piecewise(soundness):
+    """Gathering by sort indices is a permutation for every order: (1, 0), derivative bound 1 (times the row factor of a
+    gather along the last dimension); the map is piecewise (a permutation that changes where two entries swap)."""
+    m = SortIndices()
+    c = _certified(m)
+    assert c.exponents == Exponents(1, 0) and c.coefficients_derived, c.explain()
+    assert c.piecewise and "sort indices" in " ".join(c.notes)
+    soundness(m, c.certificate, SHAPE, "gather by sort indices")
+    ties = torch.randn(8, T, D, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    ties[..., 1] = ties[..., 0]  # equal entries: the order of the two is a tie
+    derivative_holds(m, c.certificate, ties)
 
 
 class Extrema(nn.Module):
@@ -146,25 +162,22 @@ class MoE(nn.Module):
 
 
 @pytest.mark.parametrize("combine", ["gather", "masks"])
-def test_mixture_of_experts(combine):
+def test_mixture_of_experts(combine, soundness):
+    """q: the experts' (the largest); sigma derived although the routing jumps: the gate (q = 0) times an expert
+    (sigma = 0) by the product rule, for every choice of the experts."""
     m = MoE(combine)
     c = _certified(m)
-    assert c.q == 1 and c.sigma is None, c.explain()  # q: the experts' (the largest); sigma: the routing jumps
-    assert "discontinuous (topk indices select the experts)" in c.culprit
-    _growth_sound(m, c.certificate)
-
-
-def _growth_sound(m: nn.Module, cert) -> None:
-    """The search of the soundness fixture for the growth and the peak (sigma is not derived: no Jacobian)."""
-    assert cert.c < 1e6 and cert.b < 1e6  # the growth bound is derived
-    radii = (0.01, 0.5, 3.0, 30.0, 300.0)
-    for search in (cbt.search_growth, cbt.search_peak):
-        found = search(m, cert, SHAPE[1:], radii=radii, count=16, restarts=8, from_best=2, steps=8, rtol=1e-6)
-        assert found.ok, found
+    assert c.q == 1 and c.sigma is not None and c.coefficients_derived, c.explain()
+    assert c.piecewise and "topk indices" in " ".join(c.notes)
+    soundness(m, c.certificate, SHAPE, f"mixture of experts ({combine})")
+    x = torch.randn(6, T, D, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    ties = [router_ties(m.router.weight, x, e, bias=m.router.bias) for e in (0.0, 1e-9, -1e-9, 1e-4)]
+    derivative_holds(m, c.certificate, torch.cat(ties))  # the router has a bias: a tie is a hyperplane
 
 
 class Jumps(nn.Module):
-    """Rounding (to tens: within 5 of its input) and a comparison: bounded or near their input, discontinuous."""
+    """Rounding (to tens: within 5 of its input), a comparison and an argmax: bounded or near their input, piecewise
+    constant (derivative 0)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -175,12 +188,23 @@ class Jumps(nn.Module):
         return torch.round(h, decimals=-1) + (h > 0.5) * 3.0 + torch.argmax(h, dim=-1, keepdim=True)
 
 
-def test_rounding_and_comparisons_keep_a_growth_bound():
+def test_rounding_and_comparisons_have_derivative_zero(soundness):
+    """The output is a sum of piecewise-constant terms: growth (1, with the rounding's offset), derivative 0 (autograd's
+    derivative of round, of a comparison and of an index is 0), the map piecewise.  Jumps: it moves by a rounding step
+    (10) across a multiple of 5, where the derivative bound, 0, says nothing about differences."""
     m = Jumps()
     c = _certified(m)
-    assert c.q == 1 and c.sigma is None
-    assert "discontinuous (round" in c.culprit
-    _growth_sound(m, c.certificate)
+    cert = c.certificate
+    assert cert.exponents == Exponents(1, 0) and (cert.l1, cert.l0) == (0.0, 0.0), c.explain()
+    assert c.piecewise and "round" in " ".join(c.notes)
+    soundness(m, cert, SHAPE, "rounding and comparisons")
+    f = copy.deepcopy(m).double()
+    with torch.no_grad():  # across h_0 = 5 (x moved along the first row of fc's weight): round(h_0, -1) jumps 0 -> 10
+        w0, b0 = m.fc.weight[0].double(), m.fc.bias[0].double()
+        u = w0 / w0.norm() ** 2
+        x = ((5.0 - b0) * u).expand(1, T, D)
+        jump = (f(x + 1e-6 * u) - f(x - 1e-6 * u)).abs().max()
+    assert float(jump) > 5.0
 
 
 class MishOfSorted(nn.Module):

@@ -15,7 +15,7 @@ from ... import exponents as E
 from ...bounds.poly import Poly, psum
 from ..nodes import bind_args, is_same, op_name, strip_exact_casts, target_name
 from ..values import AValue, max_abs, row_norm
-from .common import broadcast_factor, flip_sign, same_computation, scalar_arg, scaled, sign_mul, switched, unknown
+from .common import broadcast_factor, flip_sign, same_computation, scalar_arg, scaled, sign_mul, unknown
 from .normalizations import recognize_norm
 from .registry import register_rule
 
@@ -183,14 +183,20 @@ def _is_max_of(it: VelocityInterpreter, m: Any, x: Any) -> bool:
                reads=("condition", "self", "other"))
 def where(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
     """Every entry of ``where(c, x, y)`` is the entry of ``x`` or of ``y``: the sum rule bounds it whatever ``c``.
-    A condition that depends on the input switches discontinuously: q is kept, sigma is not derived (also when
-    both branches are constants: the result is then bounded by them, never read at the example)."""
+
+    A condition that depends on the input switches between the branches (a piecewise map): the derivative autograd
+    takes is, entry by entry, the derivative of the branch the condition picks, so a row of ``J v`` is made of
+    entries of ``J_x v`` and of ``J_y v`` and its norm is at most ``N(J_x v) + N(J_y v)``: the sum rule bounds it for
+    every pattern of the condition (docs/theory.md section 1.1).  The map jumps where the condition changes (the
+    interpreter notes it).  Between two constants the derivative is 0 and the value is bounded by them, never read at
+    the example."""
     cond, x, y = a["condition"], as_value(a["self"]), as_value(a["other"])
     out = linear_sum(x, y, 1.0, shape, "where (sum rule)")
     out.sign = x.sign if x.sign == y.sign else None
     if isinstance(cond, AValue) and not cond.const:
-        return switched(out, "where() with a condition that depends on the input (a discontinuous switch)")
-    out.rule = "where with a constant condition (sum rule)"
+        out.rule = "where with an input-dependent condition (piecewise: sum rule of the branches)"
+    else:
+        out.rule = "where with a constant condition (sum rule)"
     return out
 
 

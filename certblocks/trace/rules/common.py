@@ -8,7 +8,7 @@ from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 import torch
 
 from ...bounds.poly import Poly
-from ...exponents import Exponents
+from ...exponents import CONSTANT
 from ..nodes import strip_exact_casts
 from ..values import AValue, max_abs, row_norm
 
@@ -23,8 +23,7 @@ __all__ = [
     "pmax",
     "sign_mul",
     "flip_sign",
-    "switched",
-    "bounded_discontinuous",
+    "piecewise_constant",
     "const_row_norm",
     "unit_roundoff",
     "rounding_factor",
@@ -198,21 +197,19 @@ def flip_sign(s: Optional[str]) -> Optional[str]:
     return _FLIP.get(s)
 
 
-def bounded_discontinuous(shape: Sequence[int], level: float, rule: str, bad: str, sign: Optional[str] = "+") -> AValue:
-    """A value bounded by ``level`` entrywise that jumps with the input: ``q = 0``, ``sigma`` not derived (an index
-    computed from the input is bounded by its range, a boolean by 1, whatever the example says)."""
-    return AValue(exps=Exponents(0, None), shape=tuple(shape), growth=Poly.const(level * sqrt_last(shape)),
-                  max_abs=Poly.const(level), sign=sign, rule=rule, bad=bad)
+def piecewise_constant(shape: Sequence[int], level: float, rule: str, sign: Optional[str] = "+") -> AValue:
+    """A value computed from the input that is piecewise constant in it and bounded by ``level`` entrywise whatever the
+    input: an index (of a maximum, a sort, a top-k, a pooling window: bounded by its range), a boolean (a comparison:
+    by 1), a sign (by 1).
 
-
-def switched(out: AValue, why: str) -> AValue:
-    """``out`` with its growth bounds kept and its Jacobian dropped: an input-dependent switch (``where``,
-    ``masked_fill`` with an input-dependent condition) is discontinuous, so sigma is not derived."""
-    out.exps = Exponents(out.exps.q, None)
-    out.jacobian = None
-    out.rule = why
-    out.bad = why
-    return out
+    Its derivative is 0: the certificate bounds the derivative autograd computes (docs/theory.md section 1.1), and
+    autograd passes no gradient through an integer, a boolean or a step.  So its exponents are ``(0, 0)`` and its
+    Jacobian bound is 0; the map jumps where the value changes, which the interpreter notes (the values computed from it
+    are piecewise: :attr:`certblocks.trace.interp.VelocityInterpreter.piecewise`).  Whatever the example says, the value
+    is never read at it.
+    """
+    return AValue(exps=CONSTANT, shape=tuple(shape), growth=Poly.const(level * sqrt_last(shape)),
+                  max_abs=Poly.const(level), jacobian=Poly.ZERO, sign=sign, rule=rule)
 
 
 #: Tags of ops whose result is not a function of their arguments alone (a random draw, run-to-run differences).

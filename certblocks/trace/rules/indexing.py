@@ -4,9 +4,10 @@
 Every entry of a read is an entry of the source, so the exponents are the source's.  The row norm can grow
 when a row of the result collects entries of several source rows, or repeats entries of one row: with a
 constant index the rule counts both from the concrete index tensor (``sqrt`` of the count is the factor, for
-the values and for the Jacobian alike).  An index that depends on the input selects entries by a discontinuous
-function of it: the growth bound stays (the result is made of the source's entries) but ``sigma`` is not
-derived.
+the values and for the Jacobian alike).  An index that depends on the input selects entries by a piecewise-constant
+function of it: the bounds hold for every index in range (a row of the result is a row of the source, or is made of
+its entries), and so does the Jacobian bound, since the derivative autograd takes is the source's, read at the
+selected entries, for whatever index (docs/theory.md section 1.1); the map jumps where the index changes.
 
 A write ``slice_scatter(base, src)`` is ``base`` with some entries replaced by ``src``'s: a row of the result
 is a row of ``base`` or of ``src`` (written along another dimension), or the two parts of one row (along the
@@ -22,7 +23,6 @@ import torch
 
 from ... import exponents as E
 from ...bounds.poly import psum
-from ...exponents import Exponents
 from ..nodes import op_name
 from ..values import AValue
 from .common import pmax, scaled, sqrt_last, unknown
@@ -65,17 +65,16 @@ def distinct_factor(index: torch.Tensor, size: int) -> float:
 
 
 def data_dependent_read(x: AValue, shape: Shape, rows_kept: bool, what: str) -> AValue:
-    """Entries of ``x`` selected by an input-dependent index: the growth bound, no Jacobian, ``sigma`` underived.
+    """Entries of ``x`` selected by an input-dependent index, bounded over every index in range.
 
-    ``rows_kept``: every row of the result is a whole row of ``x`` (the last dimension is not indexed).
+    ``rows_kept``: every row of the result is a whole row of ``x`` (the last dimension is not indexed), so its row norm
+    and that of its derivative along any tangent are at most ``x``'s; otherwise every entry of a row is some entry of
+    ``x`` (of ``J_x v``), at most ``x``'s entry bound (``N(J_x v)``), a factor ``sqrt`` of the row's length.  The
+    derivative is autograd's: the index itself has none (docs/theory.md section 1.1).
     """
-    out = scaled(x, shape, 1.0 if rows_kept else sqrt_last(shape), entry_factor=1.0, via_entries=not rows_kept,
-                 rule=f"{what} by an input-dependent index (entries of the source, whatever the index; "
-                      "discontinuous)")
-    out.exps = Exponents(x.exps.q, None)
-    out.jacobian = None
-    out.bad = f"discontinuous ({what} by an index that depends on the input)"
-    return out
+    return scaled(x, shape, 1.0 if rows_kept else sqrt_last(shape), entry_factor=1.0, via_entries=not rows_kept,
+                  rule=f"{what} by an input-dependent index (entries of the source for every index in range; "
+                       "piecewise)")
 
 
 def _last(dim: int, ndim: int) -> bool:

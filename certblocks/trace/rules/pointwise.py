@@ -18,14 +18,14 @@ from ...bounds.poly import Poly
 from ...exponents import Exponents
 from ..nodes import op_name
 from ..values import AValue, max_abs
-from .common import bounded_discontinuous, broadcast_factor, first_tensor, flip_sign, scaled, sqrt_last, unknown
+from .common import broadcast_factor, first_tensor, flip_sign, piecewise_constant, scaled, sqrt_last, unknown
 from .registry import register_rule
 from .selection import clamp_between
 
 if TYPE_CHECKING:
     from ..interp import VelocityInterpreter
 
-__all__ = ["lipschitz_value", "saturating_value"]
+__all__ = ["lipschitz_value", "saturating_value", "STEP_OPS", "ROUNDING_OPS"]
 
 Args = Dict[str, Any]
 Shape = Tuple[int, ...]
@@ -251,33 +251,38 @@ def power(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> A
 
 
 #: Ops with a bounded output that jumps with the input: the bound of their entries (``None``: read from the op).
-_STEP_OPS = {"aten.eq": 1.0, "aten.ne": 1.0, "aten.lt": 1.0, "aten.le": 1.0, "aten.gt": 1.0, "aten.ge": 1.0,
-             "aten.sign": 1.0, "aten.logical_and": 1.0, "aten.logical_or": 1.0, "aten.logical_not": 1.0,
-             "aten.isnan": 1.0, "aten.argmax": None, "aten.argmin": None}
+STEP_OPS = {"aten.eq": 1.0, "aten.ne": 1.0, "aten.lt": 1.0, "aten.le": 1.0, "aten.gt": 1.0, "aten.ge": 1.0,
+            "aten.sign": 1.0, "aten.logical_and": 1.0, "aten.logical_or": 1.0, "aten.logical_not": 1.0,
+            "aten.isnan": 1.0, "aten.argmax": None, "aten.argmin": None}
 #: Rounding ops: ``|round(x)| <= |x| + 1`` entrywise (``+ 10^-decimals / 2`` with negative decimals), jumps.
-_ROUNDING_OPS = ("aten.round", "aten.floor", "aten.ceil", "aten.trunc")
+ROUNDING_OPS = ("aten.round", "aten.floor", "aten.ceil", "aten.trunc")
 
 
 # sign-only and boolean ops on constants never reach here (constants are evaluated); on activations:
-@register_rule(*_STEP_OPS, *_ROUNDING_OPS, "aten.bitwise_and", "aten.__and__", "aten.__or__",
+@register_rule(*STEP_OPS, *ROUNDING_OPS, "aten.bitwise_and", "aten.__and__", "aten.__or__",
                reads=("self", "other", "dim", "decimals"), via_shape=("keepdim",))
 def discontinuous(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
-    """Comparisons, signs, argmax, rounding: discontinuous (``sigma`` not derived), but bounded (booleans and
-    signs by 1, an argmax by the size of its dimension) or within 1 of their input (rounding)."""
+    """Comparisons, signs, argmax, rounding: piecewise constant, so autograd's derivative is 0 (docs/theory.md
+    section 1.1: the certificate bounds the derivative autograd computes; round, floor, ceil, trunc and sign have a
+    zero derivative in autograd, a boolean or an index none): Jacobian 0.  Their values are bounded (booleans and signs
+    by 1, an argmax by the size of its dimension) or within 1 of their input (rounding: the input's growth exponent, a
+    constant added).  The map jumps where they change (the interpreter notes it)."""
     name = op_name(n.target)
+    short = name.split(".")[-1]
     x = first_tensor(a)
-    why = f"discontinuous ({name.split('.')[-1]} of an input-dependent tensor jumps)"
     conc = it.g.env.get(n.name)
-    if name in _ROUNDING_OPS:
+    if name in ROUNDING_OPS:
         offset = max(1.0, 0.5 * 10.0 ** -int(a.get("decimals", 0) or 0))
-        out = lipschitz_value(x, shape, 1.0, 1.0, offset, x.sign, name.split(".")[-1])
-        out.exps, out.jacobian, out.bad = Exponents(x.exps.q, None), None, why
+        out = lipschitz_value(x, shape, 1.0, 1.0, offset, x.sign, short)
+        out.exps, out.jacobian = Exponents(x.exps.q, 0.0), Poly.ZERO
+        out.rule = f"{short} (within {offset:g} of its input; piecewise constant, derivative 0)"
         return out
-    if name in _STEP_OPS or (isinstance(conc, torch.Tensor) and conc.dtype == torch.bool):
-        level = _STEP_OPS.get(name)
-        if level is None and name in _STEP_OPS:  # an index along dim (all entries when dim is None)
+    if name in STEP_OPS or (isinstance(conc, torch.Tensor) and conc.dtype == torch.bool):
+        level = STEP_OPS.get(name)
+        if level is None and name in STEP_OPS:  # an index along dim (all entries when dim is None)
             dim = a.get("dim")
             level = float(max((x.shape[dim] if dim is not None and x.ndim else math.prod(x.shape)) - 1, 0))
-        return bounded_discontinuous(shape, 1.0 if level is None else level, f"{name.split('.')[-1]} (bounded)", why,
-                                     sign=None if name == "aten.sign" else "+")
-    return unknown(shape, f"{name} of an input-dependent tensor is discontinuous (outside the certified class)")
+        return piecewise_constant(shape, 1.0 if level is None else level,
+                                  f"{short} (bounded by {1.0 if level is None else level:g}; piecewise constant, "
+                                  "derivative 0)", sign=None if name == "aten.sign" else "+")
+    return unknown(shape, f"{name} of an input-dependent tensor is not bounded by a rule (an integer bitwise op)")

@@ -16,7 +16,7 @@ from ... import exponents as E
 from ...bounds.poly import Poly
 from ..nodes import op_name
 from ..values import AValue
-from .common import bounded_discontinuous, flip_sign, rounding_factor, scaled, sqrt_last, unit_roundoff, unknown
+from .common import flip_sign, piecewise_constant, rounding_factor, scaled, sqrt_last, unit_roundoff, unknown
 from .registry import register_rule
 from .selection import extremum
 
@@ -85,8 +85,8 @@ def sum_or_mean(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape
                   rule="reduction (linear)")
 
 
-#: Why the index output of a reduction is outside the class (it selects discontinuously).
-_INDEX_WHY = "discontinuous ({} indices of an input-dependent tensor jump where two entries swap order)"
+#: The rule of the index output of a reduction (piecewise constant, derivative 0: :func:`~.common.piecewise_constant`).
+_INDEX_RULE = "{} indices (in range; piecewise constant: they jump where two entries swap order)"
 
 
 @register_rule("aten.amax", "aten.amin", "aten.max", "aten.min", "aten.logsumexp", reads=("self", "other", "dim"),
@@ -119,8 +119,7 @@ def max_or_min(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape)
                  sign=x.sign if not extra else None, rule=f"{name.split('.')[-1]} (1-Lipschitz)")
     if isinstance(conc, (tuple, list)):
         short = name.split(".")[-1]
-        return [out, bounded_discontinuous(tuple(conc[1].shape), float(max(count - 1, 0)), f"{short} indices",
-                                           _INDEX_WHY.format(short))]
+        return [out, piecewise_constant(tuple(conc[1].shape), float(max(count - 1, 0)), _INDEX_RULE.format(short))]
     return out
 
 
@@ -183,7 +182,8 @@ def _spatial(name: str) -> int:
 def max_pool(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> Any:
     """Max pooling: every output entry is the largest of some input entries (the padding never wins), whatever the
     window's size, stride, padding, dilation or rounding: 1-Lipschitz in the largest entry.  The indices are
-    integers in ``[0, numel of a spatial plane)`` computed from the input: bounded by their range, discontinuous."""
+    integers in ``[0, numel of a spatial plane)`` computed from the input: bounded by their range, piecewise constant
+    (derivative 0)."""
     return _pool(it, n, a, 1.0, linear=False)
 
 
@@ -226,6 +226,6 @@ def _pool(it: VelocityInterpreter, n: torch.fx.Node, a: Args, f: float, linear: 
     if isinstance(conc, (tuple, list)):
         nsp = _spatial(op_name(n.target))
         plane = math.prod(x.shape[-nsp:]) if x.ndim else 1
-        return [out] + [bounded_discontinuous(tuple(c.shape), float(max(plane - 1, 0)), "max pooling indices",
-                                              _INDEX_WHY.format("max pooling")) for c in conc[1:]]
+        return [out] + [piecewise_constant(tuple(c.shape), float(max(plane - 1, 0)), _INDEX_RULE.format("max pooling"))
+                        for c in conc[1:]]
     return out

@@ -12,8 +12,10 @@ Their values are 1-Lipschitz selections of their inputs' entries (exponents ``(q
 * ``|max(a, b)| <= max(|a|, |b|)`` and ``|d max(a, b)| <= max(|da|, |db|)`` entrywise, so the row norms and the
   Jacobians of the operands add.
 
-Their indices are discontinuous functions of the input (an index jumps where two entries swap order): they
-are bounded integers (``q = 0``) with ``sigma`` not derived, and whatever they select inherits that.
+Their indices are piecewise-constant functions of the input (an index jumps where two entries swap order): bounded
+integers with derivative 0 (:func:`~.common.piecewise_constant`: the certificate bounds the derivative autograd
+computes, docs/theory.md section 1.1); what they select is bounded over every index in range (:mod:`.indexing`), and the
+map is noted as piecewise.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from ...bounds.poly import psum
 from ..nodes import op_name
 from ..values import AValue
 from .arithmetic import as_value, sum_term
-from .common import bounded_discontinuous, broadcast_factor, pmax, scaled
+from .common import broadcast_factor, piecewise_constant, pmax, scaled
 from .registry import register_rule
 
 if TYPE_CHECKING:
@@ -39,12 +41,12 @@ __all__ = ["extremum", "clamp_between"]
 Args = Dict[str, Any]
 Shape = Tuple[int, ...]
 
-#: Why the indices of an order statistic are outside the class (the node that produced them reports it).
-INDEX_REASONS = {
-    "topk": "discontinuous (topk indices select the experts)",
-    "sort": "discontinuous (sort indices jump where two entries swap order; the sorted values are continuous)",
-    "cummax": "discontinuous (cummax indices jump where a new maximum appears; the values are continuous)",
-    "cummin": "discontinuous (cummin indices jump where a new minimum appears; the values are continuous)",
+#: What the indices of an order statistic are (the rule of their node: piecewise constant, derivative 0).
+INDEX_RULES = {
+    "topk": "topk indices (in range; piecewise constant: they jump where two entries swap order)",
+    "sort": "sort indices (in range; piecewise constant: they jump where two entries swap order)",
+    "cummax": "cummax indices (in range; piecewise constant: they jump where a new maximum appears)",
+    "cummin": "cummin indices (in range; piecewise constant: they jump where a new minimum appears)",
 }
 
 
@@ -63,8 +65,7 @@ def _with_indices(conc: Any, x: AValue, values: AValue, dim: int, name: str) -> 
     """``[values, indices]`` of an order statistic (``conc`` its concrete outputs); the indices are bounded by the
     size of ``dim``."""
     size = x.shape[dim] if x.ndim else 1
-    idx = bounded_discontinuous(tuple(conc[1].shape), float(max(size - 1, 0)), f"{name} indices", INDEX_REASONS[name])
-    return [values, idx]
+    return [values, piecewise_constant(tuple(conc[1].shape), float(max(size - 1, 0)), INDEX_RULES[name])]
 
 
 @register_rule("aten.topk", reads=("self", "k", "dim", "largest", "sorted"))

@@ -17,14 +17,13 @@ from ...bounds.poly import Poly, psum
 from ..nodes import IDENTITY_OPS, VIEW_OPS, bind_args, op_name
 from ..values import AValue, max_abs
 from .common import (
-    bounded_discontinuous,
     broadcast_factor,
     first_tensor,
+    piecewise_constant,
     pmax,
     rounding_factor,
     scaled,
     sqrt_last,
-    switched,
     unknown,
     view_factor,
 )
@@ -50,15 +49,15 @@ def cast_value(it: Any, x: AValue, src: Any, n: torch.fx.Node, shape: Shape, rul
     A cast to a coarser float rounds every entry to nearest, ``|fl(v)| <= (1 + u) |v|``: the row norm, the entries
     and the Jacobian (its tangents are rounded alike) grow by ``1 + u``.  A cast to a signed integer keeps
     ``|out| <= |v|`` (truncation, or a value in range when ``v`` is out of it); to an unsigned one a negative value
-    wraps up to the type's largest.  A cast of a float to an integer truncates
-    (``|trunc(v)| <= |v|``) and jumps: sigma is not derived.  A cast to bool is 0 or 1 whatever the magnitude.
+    wraps up to the type's largest.  A cast of a float to an integer truncates (``|trunc(v)| <= |v|``) and jumps:
+    autograd passes no gradient through it, so its derivative is 0 (docs/theory.md section 1.1: the certificate bounds
+    the derivative autograd computes).  A cast to bool is 0 or 1 whatever the magnitude, derivative 0 too.
     """
     src_v, out_v = it.g.env.get(getattr(src, "name", "")), it.g.env.get(n.name)
     src_dtype = src_v.dtype if isinstance(src_v, torch.Tensor) else None
     dst_dtype = out_v.dtype if isinstance(out_v, torch.Tensor) else None
     if dst_dtype == torch.bool and src_dtype not in (None, torch.bool):
-        return bounded_discontinuous(shape, 1.0, "cast to bool (0 or 1)",
-                                     "discontinuous (a cast to bool of an input-dependent tensor jumps at 0)")
+        return piecewise_constant(shape, 1.0, "cast to bool (0 or 1; piecewise constant: it jumps at 0)")
     same = tuple(x.shape) == tuple(shape)
     fac, via = (1.0, False) if same else view_factor(x.shape, shape)
     rf = rounding_factor(src_dtype, dst_dtype)
@@ -67,8 +66,9 @@ def cast_value(it: Any, x: AValue, src: Any, n: torch.fx.Node, shape: Shape, rul
         out.stochastic_dim, out.row_sum = x.stochastic_dim, x.row_sum * rf
     if dst_dtype is not None and not (dst_dtype.is_floating_point or dst_dtype.is_complex):
         if src_dtype is not None and (src_dtype.is_floating_point or src_dtype.is_complex):
-            out.exps, out.jacobian = E.Exponents(x.exps.q, None), None
-            out.bad = "discontinuous (a cast of an input-dependent tensor to an integer dtype truncates)"
+            # truncation: piecewise constant, autograd's derivative is 0 (the values stay within |v|)
+            out.exps, out.jacobian = E.Exponents(x.exps.q, 0.0), Poly.ZERO
+            out.rule = f"{rule}: cast to an integer dtype (truncates; piecewise constant, derivative 0)"
         if not dst_dtype.is_signed and x.sign not in ("+", "0"):  # a negative value wraps around: up to the max
             top = float(torch.iinfo(dst_dtype).max)
             out.growth = None if out.growth is None else out.growth + Poly.const(top * sqrt_last(shape))
@@ -303,7 +303,9 @@ def pad(it: Any, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
 @register_rule("aten.masked_fill", overloads=("Scalar", "Tensor"), reads=("self", "mask", "value"))
 def masked_fill(it: Any, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
     """Every entry is the input's or ``value``: ``|out_i| <= max(|x_i|, |value|)`` whatever the mask.  A mask that
-    depends on the input switches discontinuously: q is kept, sigma is not derived."""
+    depends on the input switches between the two (a piecewise map): the derivative autograd takes is ``x``'s on the
+    entries kept and 0 on the filled ones, whatever the mask, so ``x``'s Jacobian bound holds for every mask pattern
+    (docs/theory.md section 1.1); the map jumps where the mask changes."""
     x, mask, value = a["self"], a["mask"], a["value"]
     if isinstance(value, AValue):
         if not value.const:
@@ -317,7 +319,7 @@ def masked_fill(it: Any, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
         out.growth = Poly.const(math.inf)
         out.max_abs = Poly.const(math.inf)
     if isinstance(mask, AValue) and not mask.const:
-        return switched(out, "masked_fill with a mask that depends on the input (a discontinuous switch)")
+        out.rule = "masked_fill with an input-dependent mask (piecewise: every mask pattern)"
     return out
 
 
@@ -347,14 +349,14 @@ def shape_query(it: Any, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
 @register_rule("aten.embedding", reads=("weight", "indices", "padding_idx", "scale_grad_by_freq", "sparse"))
 def embedding(it: Any, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
     """A lookup ``W[idx]`` of a constant table at an input-dependent index: every row of the result is a row
-    of ``W``, so its row norm is at most ``W``'s largest row norm whatever the index (q = 0); the lookup is
-    not differentiable in the index (sigma unknown; a model's stem reads token ids and no gradient flows
-    into them).  ``padding_idx``, ``scale_grad_by_freq`` and ``sparse`` change only the gradient of ``W``."""
+    of ``W``, so its row norm is at most ``W``'s largest row norm whatever the index (q = 0); autograd passes no
+    gradient into an index, so the derivative of the lookup is 0 for every index (docs/theory.md section 1.1; a
+    model's stem reads token ids, and an index computed from a float input is piecewise constant).  ``padding_idx``,
+    ``scale_grad_by_freq`` and ``sparse`` change only the gradient of ``W``."""
     w = a.get("weight")
     if not isinstance(w, AValue) or not w.const or w.value is None or w.value.dim() != 2:
         return unknown(shape, "embedding lookup in an input-dependent table")
     rows = torch.linalg.vector_norm(w.value.detach().double(), dim=-1)
-    return AValue(exps=E.Exponents(0.0, None), shape=tuple(shape), growth=Poly.const(float(rows.max())),
-                  max_abs=Poly.const(float(w.value.detach().double().abs().max())), sign=w.sign,
-                  rule="embedding (largest row of the table)",
-                  bad="embedding lookup: not differentiable in its index")
+    return AValue(exps=E.CONSTANT, shape=tuple(shape), growth=Poly.const(float(rows.max())),
+                  max_abs=Poly.const(float(w.value.detach().double().abs().max())), jacobian=Poly.ZERO, sign=w.sign,
+                  rule="embedding (largest row of the table; derivative 0 in the index)")

@@ -168,10 +168,9 @@ _MODELS: List[ThirdParty] = [
     # ------------------------------------------------------------------------------------------ the named three
     ThirdParty("mixtral", "transformers",
                "MoE routing: softmax, top-2 of 4 experts, the top-k weights divided by their sum (>= k/E); experts "
-               "by batched_mm (expert weights indexed by the routing)",
+               "by batched_mm (expert weights indexed by the routing); piecewise (the choice of experts jumps)",
                _hf("MixtralConfig", "MixtralForCausalLM", eager=True, num_key_value_heads=1, num_local_experts=4,
-                   num_experts_per_tok=2, experts_implementation="batched_mm"), slow=False,
-               refusal="discontinuous (topk indices select the experts)"),
+                   num_experts_per_tok=2, experts_implementation="batched_mm"), slow=False),
     ThirdParty("rwkv", "transformers",
                "WKV recurrence: exp(a - maximum(a, b)) <= 1, running sums num/den with den >= 1; token shift, "
                "squared ReLU", _rwkv),
