@@ -102,25 +102,19 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
+from ._calls import state_of, velocity_output, without_state
 from ._validation import NonFiniteWeightError, check_bool, check_callable, check_int, check_real
 from .blocks.stats import power_norm as _power_step
 from .bounds import one_thread
 from .certificate import BlockCertificate, StackCertificate, certify_stack
-from .model import (
-    CertificateWarning,
-    CertifiedModel,
-    as_certified,
-    envelope_paused,
-    state_of,
-    velocity_output,
-    without_state,
-)
+from .envelope import CertificateWarning, envelope_paused
+from .model import CertifiedModel, as_certified
 from .ondata.sources import Call
 from .ondata.watch import OnDataWatch, autocast_state, batch_of
 from .precision import as_precision
 from .updates import ResidualUpdates, residual_updates
 
-# CertificateWarning lives in certblocks.model (the envelope's warnings are ones too); importable from here as before
+# CertificateWarning lives in certblocks.envelope (the envelope's warnings are ones too); importable from here as before
 __all__ = ["CertificateMonitor", "CertificateWarning", "ResidualUpdates", "residual_updates"]
 
 

@@ -213,7 +213,7 @@ class CertifiedStack(nn.Module):
     def __init__(self, blocks: Sequence[nn.Module], certificate: StackCertificate, *, dt: float,
                  r0: float, lip_g: float, seq_len: int | None = None,
                  explicit: Sequence[BlockCertificate | None] | None = None, strict: bool = False) -> None:
-        from .model import Envelope
+        from .envelope import Envelope
 
         super().__init__()
         self.blocks = nn.ModuleList(blocks)

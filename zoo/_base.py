@@ -249,7 +249,7 @@ class ZooModel(nn.Module, HubMixin, metaclass=abc.ABCMeta):
         :meth:`certificate` is then computed in it.  The sequence length is not checked: the zoo's models refuse
         longer inputs themselves (``block_size``, a fixed context or image size), and ``r0`` is derived from the
         embedding, valid for every input."""
-        from certblocks.model import Envelope
+        from certblocks.envelope import Envelope
 
         check_bool("certify", certify)
         self.cert_dtype = as_precision(cert_dtype if cert_dtype is not None else DEFAULT_CERT_DTYPE).name

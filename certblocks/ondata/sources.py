@@ -22,10 +22,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from .._calls import Where, replace_output, state_of, velocity_output, with_state
+from .._calls import without_state as _without_state
 from ..budget import dtype_name
 from ..certificate import BlockCertificate
-from ..model import CertifiedModel, Where, attention_module, replace_output, state_of, velocity_output, with_state
-from ..model import without_state as _without_state
+from ..model import CertifiedModel, attention_module
 from ..testing.record import recorded_call
 
 __all__ = ["Step", "Head", "Call", "Source", "Peaks", "module_steps", "calls_steps", "token_norm_max", "tokens_of",
