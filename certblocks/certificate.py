@@ -258,6 +258,35 @@ class BlockCertificate:
             return None
         return dict(self.peaks)
 
+    def with_output_scaled(self, factor: float, scale: Callable[[float], float], name: str = "") -> BlockCertificate:
+        """The certificate of ``s * v`` for ``v`` certified here and ``|s| <= factor`` entrywise: ``c, b, l1, l0``
+        mapped by ``scale`` (``x -> factor * x`` rounded up); for ``factor > 1`` the peak, and each dtype's peak of
+        :attr:`peaks` when they go with it, also bounds the scaled output ``factor (c R^q + b)`` (which dtype holds
+        that product is not known here: it is folded into every one).  ``factor <= 1``: the peaks already bound it.
+        """
+        from .bounds.poly import fold_peak, power_terms
+
+        peak, held = self.peak, self.held_peaks(self.precision) if self.peaks is not None else None
+        extra: Dict[str, Any] = {}
+        if peak is not None and factor > 1.0:
+            if self.q is None:  # the scaled output's bound has no exponent to fold with
+                peak = Peak.unbounded(f"{peak.what}, scaled by {factor:g}: the certificate's exponent is not derived")
+                out = None
+            else:
+                out = power_terms(self.q, scale(self.c), scale(self.b))
+
+            def fold(p: Peak) -> Peak:
+                if out is None or not p.derived:
+                    return p if not p.derived else Peak.unbounded(f"{p.what}, scaled by {factor:g}")
+                return dataclasses.replace(fold_peak([power_terms(p.q, p.c, p.b), out], p.what), lever=p.lever)
+
+            if out is not None:
+                peak = fold(peak)
+            if held is not None:
+                extra = {"peaks": {d: fold(p) for d, p in held.items()}, "peaks_of": peak}
+        return dataclasses.replace(self, c=scale(self.c), b=scale(self.b), l1=scale(self.l1), l0=scale(self.l0),
+                                   peak=peak, name=name or self.name, **extra)
+
     def _coefficients(self) -> _budget.UpdateCoefficients:
         p = self.peak
         return _budget.UpdateCoefficients(self.q, self.sigma, self.c, self.b, self.l1, self.l0,

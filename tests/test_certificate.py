@@ -204,3 +204,29 @@ def test_a_constant_peak_keeps_both_of_its_coefficients():
     assert peak_poly(Peak(0.0, 3.0, 2.0, "x"))[0.0] >= 5.0 and peak_poly(None, 0.0, 3.0, 2.0)[0.0] >= 5.0
     assert fold_peak([peak_poly(Peak(0.0, 3.0, 2.0, "x"))], "x").bound(10.0) >= 5.0
     assert power_terms(1.0, 3.0, 2.0) == {1.0: 3.0, 0.0: 2.0}
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 3.0])
+def test_scaled_output_keeps_the_held_peaks(factor: float) -> None:
+    """``s * v`` with ``|s| <= factor``: the per-dtype peaks stay usable (they go with the new peak), each bounds
+    what it bounded before and, for ``factor > 1``, the scaled output too; the whole peak likewise."""
+    from certblocks.blocks.gain import scaled_certificate as gained
+    from certblocks.trace.own import scaled_certificate
+
+    peaks = {"fp16": Peak(1.0, 2.0, 0.5, "fc1", lever="keep fc1 in fp32"), "fp32": Peak(1.0, 0.25, 0.0, "sum")}
+    cert = BlockCertificate(1.0, 1.0, c=1.5, b=0.25, l1=0.5, l0=1.0, peak=Peak(1.0, 2.0, 0.5, "fc1"), peaks=peaks,
+                            precision="amp-fp16")
+    for scaled in (scaled_certificate(cert, factor), gained(cert, factor)):
+        held = scaled.held_peaks("amp-fp16")
+        assert held is not None and set(held) == {"fp16", "fp32"}
+        assert held["fp16"].lever == "keep fc1 in fp32"
+        for r in (0.0, 1.0, 10.0, 1e6):
+            out = factor * cert.growth_bound(r)
+            assert scaled.growth_bound(r) >= out * (1 - 1e-15)
+            for d, p in held.items():
+                assert p.bound(r) >= peaks[d].bound(r)
+                if factor > 1.0:
+                    assert p.bound(r) >= out
+            assert scaled.peak.bound(r) >= max(cert.peak.bound(r), out if factor > 1.0 else 0.0)
+        if factor <= 1.0:
+            assert held == peaks

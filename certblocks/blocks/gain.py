@@ -18,7 +18,6 @@ children of one block (timm's ``blk.attn`` and ``blk.ls1``): a view built by a m
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
@@ -26,7 +25,7 @@ from torch import nn
 
 from .. import bounds
 from .._validation import check_cert_args, check_int, check_real
-from ..certificate import BlockCertificate, Peak
+from ..certificate import BlockCertificate
 from ..exponents import Exponents
 from ..fixes import Lever
 from ..protocol import CapSlot, EnforceableBlock
@@ -76,10 +75,7 @@ def scaled_certificate(cert: BlockCertificate, gain: float) -> BlockCertificate:
     def up(x: float) -> float:
         return bounds.rounded_up(x * g)
 
-    peak = cert.peak
-    if peak is not None and g > 1.0:
-        peak = Peak(peak.q, up(peak.c), up(peak.b), peak.what)
-    return dataclasses.replace(cert, c=up(cert.c), b=up(cert.b), l1=up(cert.l1), l0=up(cert.l0), peak=peak)
+    return cert.with_output_scaled(g, up)
 
 
 class ScaledBranch(nn.Module):

@@ -36,8 +36,8 @@ import torch
 from torch import nn
 
 from ..bounds.norms import one_thread, rounded_up
-from ..bounds.poly import Poly, fold_peak, power_terms
-from ..certificate import BlockCertificate, Peak
+from ..bounds.poly import Poly
+from ..certificate import BlockCertificate
 from ..protocol import CertifiedBlock
 from .capture import CapturedGraph
 from .nodes import IDENTITY_OPS, bind_args, op_name
@@ -378,15 +378,7 @@ def scaled_certificate(cert: BlockCertificate, factor: float, name: str = "") ->
     def up(v: float) -> float:
         return rounded_up(v * factor, 1) if v else 0.0
 
-    peak: Optional[Peak] = cert.peak
-    if peak is not None and factor > 1.0:
-        if cert.q is None:  # the scaled output's bound has no exponent to fold with
-            peak = Peak.unbounded(f"{peak.what}, scaled by {factor:g}: the certificate's exponent is not derived")
-        else:
-            peak = fold_peak([power_terms(peak.q, peak.c, peak.b), power_terms(cert.q, up(cert.c), up(cert.b))],
-                             peak.what)
-    return dataclasses.replace(cert, c=up(cert.c), b=up(cert.b), l1=up(cert.l1), l0=up(cert.l0), peak=peak,
-                               name=name or cert.name)
+    return cert.with_output_scaled(factor, up, name)
 
 
 def own_certificate(g: CapturedGraph, x: torch.fx.Node, out: torch.fx.Node, name: str = "",
