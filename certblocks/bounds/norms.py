@@ -50,9 +50,10 @@ Gram-power bound ``||W||_2 <= ||G^p||_F^(1/(2p))`` (``p = 2^6``) is used: rigoro
 ``k^(1/(4p))`` above the exact norm (``1.03`` at ``k = 8192``), with its own rounding margin.
 
 **The fast bound** (:func:`_fast_bounds`).  ``W`` (``m x k``, ``k <= m``, any float dtype) is read in
-float64 (exact), multiplied by a power of two ``2^-e`` when its largest entry lies outside ``[2^-300, 2^300]``
-(exact unless an entry underflows: an error of at most ``eta`` per entry, ``eta = 2^-1022``, which also covers a
-flush-to-zero of a subnormal), and its Gram matrix ``G_hat = fl(W^T W)`` is formed blockwise (upper block row by
+float64 (exact); a float64 ``W`` whose largest entry lies outside ``[2^-300, 2^300]`` is multiplied by a power of
+two ``2^-e`` (exact unless an entry underflows: an error of at most ``eta`` per entry, ``eta = 2^-1022``, which
+also covers a flush-to-zero of a subnormal; a matrix of a narrower dtype never needs it: its products neither
+overflow nor underflow in float64), and its Gram matrix ``G_hat = fl(W^T W)`` is formed blockwise (upper block row by
 upper block row, the lower triangle a copy: every entry an inner product of length ``m``).  Then:
 
 1. ``|G_hat - G| <= gamma_m |W|^T |W| + m eta`` entrywise (any order of summation, FMA or not; an underflowed
@@ -465,29 +466,36 @@ def _fast_bounds(a: torch.Tensor) -> List[float]:
     "The fast bound", steps 1 to 4); ``inf`` for a matrix with a NaN or an infinity."""
     B, m, k = a.shape
     u = UNIT_ROUNDOFF
-    amax = a.abs().amax(dim=(-2, -1)).to(torch.float64).cpu().tolist()
     out: List[Optional[float]] = [None] * B
     exps = [0] * B
-    for i, x in enumerate(amax):
-        if not math.isfinite(x):
-            out[i] = math.inf
-        elif x == 0.0:
-            out[i] = 0.0
-        else:
-            e = math.frexp(x)[1]
-            exps[i] = e if abs(e) > 300 else 0
+    if a.dtype == torch.float64:  # only a float64 matrix can overflow or underflow its float64 Gram matrix
+        for i, x in enumerate(a.abs().amax(dim=(-2, -1)).cpu().tolist()):
+            if not math.isfinite(x):
+                out[i] = math.inf
+            elif x != 0.0 and abs(math.frexp(x)[1]) > 300:
+                exps[i] = math.frexp(x)[1]
     todo = [i for i in range(B) if out[i] is None]
     if not todo:
         return [float(x) for x in out]  # type: ignore[arg-type]
-    sub = a if len(todo) == B else a[todo]
-    a64 = sub.to(torch.float64)
-    scaled = any(exps[i] for i in todo)
-    if scaled:
+    a64 = (a if len(todo) == B else a[todo]).to(torch.float64)
+    if any(exps[i] for i in todo):
         a64 = a64 * torch.tensor([2.0 ** -exps[i] for i in todo], dtype=torch.float64,
                                  device=a64.device).reshape(-1, 1, 1)
     g = _block_gram(a64)
-    diag = g.diagonal(dim1=-2, dim2=-1)
-    fro2 = (diag.sum(-1) * (1.0 + _gamma(k) + u)).cpu().tolist()  # >= sum of the computed diagonal
+    # a NaN or an infinity reaches the diagonal (a sum of squares); >= the exact sum of the computed diagonal
+    fro2 = (g.diagonal(dim1=-2, dim2=-1).sum(-1) * (1.0 + _gamma(k) + u)).cpu().tolist()
+    live = []
+    for j, f in enumerate(fro2):
+        if not math.isfinite(f):
+            out[todo[j]] = math.inf
+        elif f == 0.0:
+            out[todo[j]] = 0.0
+        else:
+            live.append(j)
+    if not live:
+        return [float(x) for x in out]  # type: ignore[arg-type]
+    if len(live) < len(todo):
+        todo, a64, g, fro2 = [todo[j] for j in live], a64[live], g[live], [fro2[j] for j in live]
     d_gram = [_up(_gamma(m) * f / (1.0 - _gamma(m)) + 2.0 * k * m * _ETA, 4) for f in fro2]
     with one_thread():
         theta, used = _krylov_top(g)
@@ -520,9 +528,8 @@ def _fast_bounds(a: torch.Tensor) -> List[float]:
             lam = _up(ts[idx] + u * top[idx] + c_k * trace[idx] + d_eta + d_gram[j], 8)
             out[todo[j]] = _unscale(lam, m, k, exps[todo[j]])
         pending = still
-    if pending:  # no step factored: the tight path on the same Gram matrix
-        for j in pending:
-            out[todo[j]] = _unscale(_tight_sq(a64[j], g[j]), m, k, exps[todo[j]])
+    for j in pending:  # no step factored: the tight path on the same Gram matrix
+        out[todo[j]] = _unscale(_tight_sq(a64[j], g[j]), m, k, exps[todo[j]])
     return [float(x) for x in out]  # type: ignore[arg-type]
 
 
