@@ -3,11 +3,11 @@
 Every function here returns a Python float that is an UPPER bound of the quantity it names, never
 an estimate from below, so certificates built from them are sound (``docs/theory.md section 1``: the
 coefficients must be sound upper bounds).  Every norm is computed in float64 on the device the weights are on
-(a GPU when the model is there; a float of the result is the only transfer).  Small independent computations
-run on one thread per operation (:func:`one_thread`: multi-threaded LAPACK on small problems was measured 3-1000x
-slower than one thread on the 2-core development machine); independent computations -- a model's update
-certificates -- run side by side instead (:func:`concurrent_calls`: the same values, bit for bit, about twice as
-fast on two cores).
+(a GPU when the model is there; a float of the result is the only transfer).  On the CPU every operation runs on
+one thread (:func:`one_thread`: multi-threaded LAPACK, the fast bound's Krylov steps and its blocked factorization
+were measured 3-1000x slower than one thread on the 2-core development machine when other jobs share it);
+independent computations -- a model's update certificates -- run side by side instead (:func:`concurrent_calls`:
+the same values, bit for bit, about twice as fast on two cores).
 
 **Two precisions.**  A spectral norm is computed in one of two ways (:data:`PRECISIONS`), chosen per call
 (``precision=``) or for a whole computation (:func:`norm_precision`); ``"fast"`` is the default:
@@ -369,7 +369,7 @@ def _block_gram(a: torch.Tensor) -> torch.Tensor:
     each lower block the transpose of its upper one; every entry an inner product of length ``m`` (module
     docstring, fast bound step 1)."""
     k = a.shape[-1]
-    parts = min(8, max(1, round(k / 256)))
+    parts = min(8, max(1, round(k / 192)))
     if parts == 1:
         return a.mT @ a
     width = -(-k // parts)
@@ -497,8 +497,7 @@ def _fast_bounds(a: torch.Tensor) -> List[float]:
     if len(live) < len(todo):
         todo, a64, g, fro2 = [todo[j] for j in live], a64[live], g[live], [fro2[j] for j in live]
     d_gram = [_up(_gamma(m) * f / (1.0 - _gamma(m)) + 2.0 * k * m * _ETA, 4) for f in fro2]
-    with one_thread():
-        theta, used = _krylov_top(g)
+    theta, used = _krylov_top(g)
     pending = list(range(len(todo)))
     c_k = _gamma(k + 1) / (1.0 - _gamma(k + 1))
     schedule = [(FAST_STEPS[0], False), (FAST_STEPS[0], True)] + [(tau, False) for tau in FAST_STEPS[1:]]
@@ -507,9 +506,8 @@ def _fast_bounds(a: torch.Tensor) -> List[float]:
             break
         gp = g if len(pending) == len(todo) else g[pending]
         if refine:  # the estimate stalled: a longer, tighter Krylov run on what is left
-            with one_thread():
-                again = _krylov_top(gp, tol=_KRYLOV_TOL / 100, min_steps=min(k, 2 * used + 16),
-                                    max_steps=4 * _KRYLOV_STEPS)[0]
+            again = _krylov_top(gp, tol=_KRYLOV_TOL / 100, min_steps=min(k, 2 * used + 16),
+                                max_steps=4 * _KRYLOV_STEPS)[0]
             for idx, j in enumerate(pending):
                 theta[j] = max(theta[j], again[idx])
         ts = [theta[j] * (1.0 + tau) + 1e-300 for j in pending]  # > 0: a zero estimate still shifts
@@ -538,8 +536,7 @@ def _tight_sq(a64: torch.Tensor, g: torch.Tensor) -> float:
     m, k = a64.shape
     if k > EXACT_LIMIT:
         return _up(_gram_power_bound(a64, g) ** 2, 1)
-    with one_thread():
-        lam = max(float(torch.linalg.eigvalsh(g)[-1]), 0.0)
+    lam = max(float(torch.linalg.eigvalsh(g)[-1]), 0.0)
     return _up(lam / (1.0 - margin(m, k)), 1)
 
 
@@ -564,7 +561,8 @@ def _fast_op_norms(a: torch.Tensor) -> Optional[List[float]]:
         return None
     if a.shape[-2] < a.shape[-1]:
         a = a.mT
-    return _fast_bounds(a)
+    with one_thread():
+        return _fast_bounds(a)
 
 
 def op_norm(w: torch.Tensor, *, precision: Optional[str] = None) -> float:
