@@ -1,7 +1,8 @@
 """Every sound numeric bound certblocks computes, in one place (knows tensors, not modules' structure).
 
-* :mod:`.norms` -- operator norms of weights (exact below a size, a rigorous bound above) with one stated
-  safety margin derived from the float64 rounding of the computation;
+* :mod:`.norms` -- operator norms of weights: ``"fast"`` (a Cholesky-verified Krylov estimate, the default) or
+  ``"tight"`` (the eigensolver, exact below a size, a rigorous bound above), each with its float64 rounding
+  accounted;
 * :mod:`.activations` -- the activation constants (derivative and ratio ranges, saturation levels);
 * :mod:`.poly` -- upper-bound polynomials in the radius and the peak algebra;
 * :mod:`.normalization` -- output and Jacobian bounds of LayerNorm, RMSNorm and l2 normalization.
@@ -13,10 +14,15 @@ from .activations import ACTIVATIONS, SIGMOID_DERIVATIVE_MAX, Activation, activa
 from .normalization import NORM_KINDS, module_norm_bounds, norm_bounds, prenorm_jacobian, scalar_norm_bounds
 from .norms import (
     EXACT_LIMIT,
+    FAST_MIN,
+    FAST_STEPS,
+    PRECISIONS,
     UNIT_ROUNDOFF,
     concurrent_calls,
+    get_norm_precision,
     inf_norm,
     margin,
+    norm_precision,
     one_thread,
     op_norm,
     op_norm_tensor,
@@ -35,18 +41,23 @@ __all__ = [
     "ACTIVATIONS",
     "Activation",
     "EXACT_LIMIT",
+    "FAST_MIN",
+    "FAST_STEPS",
     "NORM_KINDS",
+    "PRECISIONS",
     "Poly",
     "SIGMOID_DERIVATIVE_MAX",
     "UNIT_ROUNDOFF",
     "activation",
     "concurrent_calls",
     "fold_peak",
+    "get_norm_precision",
     "inf_norm",
     "lipschitz",
     "margin",
     "module_norm_bounds",
     "norm_bounds",
+    "norm_precision",
     "normalized_peak",
     "one_thread",
     "op_norm",

@@ -1,14 +1,35 @@
 """Operator norms read from weights, as rigorous upper bounds (the one place they are computed).
 
 Every function here returns a Python float that is an UPPER bound of the quantity it names, never
-an estimate from below, so certificates built from them are sound.  All arithmetic is float64 on
-the CPU, on one thread per operation (:func:`one_thread`: multi-threaded LAPACK and BLAS on these problems
-were measured 3-1000x slower than one thread on the 2-core development machine, idle or busy); independent
-computations -- a model's update certificates -- run side by side instead (:func:`concurrent_calls`: the same
-values, bit for bit, about twice as fast on two cores).
+an estimate from below, so certificates built from them are sound (``docs/theory.md section 1``: the
+coefficients must be sound upper bounds).  Every norm is computed in float64 on the device the weights are on
+(a GPU when the model is there; a float of the result is the only transfer).  On the CPU every operation runs on
+one thread (:func:`one_thread`: multi-threaded LAPACK, the fast bound's Krylov steps and its blocked factorization
+were measured 3-1000x slower than one thread on the 2-core development machine when other jobs share it);
+independent computations -- a model's update certificates -- run side by side instead (:func:`concurrent_calls`:
+the same values, bit for bit, about twice as fast on two cores).
 
-**The safety margin.**  Each computed norm carries one stated relative margin, derived from the
-rounding errors of the computation that produced it (``u = 2^-53``, the float64 unit roundoff):
+**Two precisions.**  A spectral norm is computed in one of two ways (:data:`PRECISIONS`), chosen per call
+(``precision=``) or for a whole computation (:func:`norm_precision`); ``"fast"`` is the default:
+
+* ``"tight"``: the largest eigenvalue of the float64 Gram matrix from the symmetric eigensolver, raised by
+  the margin below (at most ``1e-8`` relative for the shapes of today's models); above :data:`EXACT_LIMIT`
+  the Gram-power bound.
+* ``"fast"``: the same float64 Gram matrix, an estimate of its largest eigenvalue from a Krylov iteration, and a
+  Cholesky factorization that *proves* the estimate (raised by :data:`FAST_STEPS`) an upper bound; at most a
+  factor ``sqrt(1 + 1e-4)`` (plus the margins, ``1e-8``) above the tight value when the first factorization
+  succeeds, which is the rule (every matrix of the benchmarks and the tests), about ``1.23`` at the last step,
+  and the tight value itself when no factorization succeeds.  Matrices whose smaller side is at most
+  :data:`FAST_MIN` always take the tight path (the eigensolver is as fast there).  The module
+  section "The fast bound" below states its derivation.
+
+The policy for callers: certify with the default; when a verdict or a fix is decided by less than the fast
+slack (``1e-4`` relative per norm, compounded over the norms of a coefficient), recompute the segments that
+decide it under ``norm_precision("tight")``.  :func:`op_norm_tensor` (used inside forwards, without a
+device-to-host synchronization) is always tight.
+
+**The safety margin of the tight path.**  Each computed norm carries one stated relative margin, derived from
+the rounding errors of the computation that produced it (``u = 2^-53``, the float64 unit roundoff):
 
 * a sum of ``n`` non-negative float64 terms (a vector norm, a Frobenius norm) is within a relative
   ``gamma_n = n u / (1 - n u)`` of the exact sum (Higham, *Accuracy and Stability of Numerical
@@ -21,12 +42,40 @@ rounding errors of the computation that produced it (``u = 2^-53``, the float64 
   19.3), taken here as ``p(k) = 16 k^2``.  With ``delta = gamma_m k + p(k) u (1 + gamma_m k)``,
   ``||W||_2^2 <= lambda_hat + delta ||W||_2^2``, hence ``||W||_2 <= sqrt(lambda_hat / (1 - delta))``.
 
-:func:`margin` returns that ``delta`` for a shape; every bound here applies it.  For a 768 x 3072
+:func:`margin` returns that ``delta`` for a shape; every tight bound here applies it.  For a 768 x 3072
 matrix it is ``1.3e-9`` (``6.5e-10`` on the norm): a sound bound that is tight to nine digits.
 
 Above :data:`EXACT_LIMIT` on the smaller side the eigenvalue problem gets slow (``k^3``); there the
 Gram-power bound ``||W||_2 <= ||G^p||_F^(1/(2p))`` (``p = 2^6``) is used: rigorous, at most a factor
 ``k^(1/(4p))`` above the exact norm (``1.03`` at ``k = 8192``), with its own rounding margin.
+
+**The fast bound** (:func:`_fast_bounds`).  ``W`` (``m x k``, ``k <= m``, any float dtype) is read in
+float64 (exact); a float64 ``W`` whose largest entry lies outside ``[2^-300, 2^300]`` is multiplied by a power of
+two ``2^-e`` (exact unless an entry underflows: an error of at most ``eta`` per entry, ``eta = 2^-1022``, which
+also covers a flush-to-zero of a subnormal; a matrix of a narrower dtype never needs it: its products neither
+overflow nor underflow in float64), and its Gram matrix ``G_hat = fl(W^T W)`` is formed blockwise (upper block row by
+upper block row, the lower triangle a copy: every entry an inner product of length ``m``).  Then:
+
+1. ``|G_hat - G| <= gamma_m |W|^T |W| + m eta`` entrywise (any order of summation, FMA or not; an underflowed
+   product errs by at most ``eta``), so ``||G_hat - G||_2 <= gamma_m ||W||_F^2 + k m eta =: d_G``, with
+   ``||W||_F^2 <= sum_i g_hat_ii / (1 - gamma_m)`` (the sum rounded up).
+2. A Krylov iteration (Lanczos with full reorthogonalization in float32, a fixed pseudo-random start) gives
+   ``theta``, an estimate of ``lambda_max(G_hat)``.  Nothing depends on its accuracy but the tightness.
+3. For ``t = theta (1 + tau)``, ``tau`` the steps of :data:`FAST_STEPS` (the first one tried again after a longer
+   Krylov run): ``A = t I - G_hat`` is formed (the
+   diagonal ``fl(t - g_hat_ii)`` errs by at most ``u |a_ii|``, a diagonal error ``D`` with
+   ``||D||_2 <= u max |a_ii|``) and factored by Cholesky in float64.  If the factorization runs to completion,
+   the computed factor satisfies ``R^T R = A + dA`` with ``|dA| <= gamma_{k+1} |R^T| |R|`` (Higham, Theorem
+   10.3, any order of the inner products, the blocked LAPACK variants included; Rump, "Verification of positive
+   definiteness", BIT 46 (2006), for a symmetric ``A`` not known to be definite, and for underflow), hence
+   ``||dA||_2 <= c_k tr(A) + d_eta`` with ``c_k = gamma_{k+1} / (1 - gamma_{k+1})`` and an underflow term
+   ``d_eta = 16 k (k + 2 + max(1, max a_ii)) eta`` (generous: ``eta`` is 2^52 times the subnormal spacing).
+   ``R^T R >= 0`` gives ``lambda_max(G_hat) <= t + ||D|| + ||dA||``, and Weyl's inequality
+   ``lambda_max(G) <= t + ||D|| + ||dA|| + d_G``.
+4. ``||W||_2 <= 2^e (sqrt(that) + sqrt(m k) eta)``, every float operation of the sum rounded up.
+
+When no step of :data:`FAST_STEPS` factors, the tight path runs on the same ``G_hat`` (its margin covers the
+blockwise Gram: the same ``gamma_m`` bound); a matrix with a NaN or an infinity has the bound ``inf``.
 
 Nothing is cached here: a weight can change without its version counter moving (FSDP2 gathers into
 reused storage), so every call computes; callers cache whole certificates where they can tell.
@@ -35,6 +84,7 @@ reused storage), so every call computes; callers cache whole certificates where 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
@@ -43,9 +93,14 @@ import torch
 
 __all__ = [
     "EXACT_LIMIT",
+    "FAST_MIN",
+    "FAST_STEPS",
+    "PRECISIONS",
     "UNIT_ROUNDOFF",
     "concurrent_calls",
+    "get_norm_precision",
     "margin",
+    "norm_precision",
     "op_norm",
     "op_norm_tensor",
     "op_norms",
@@ -66,6 +121,60 @@ UNIT_ROUNDOFF = 2.0**-53
 EXACT_LIMIT = 4096
 #: Number of squarings in the Gram-power bound used above :data:`EXACT_LIMIT`.
 _SQUARINGS = 6
+#: The precisions of a spectral norm (module docstring): ``"fast"`` (Cholesky-verified) and ``"tight"``.
+PRECISIONS = ("fast", "tight")
+#: Largest smaller side for which ``"fast"`` takes the tight path (the eigensolver costs no more there).
+FAST_MIN = 256
+#: The relative raises ``tau`` of the Krylov estimate tried in turn by the fast bound (``t = theta (1 + tau)``).
+FAST_STEPS = (1e-4, 1e-3, 1e-2, 1e-1, 0.5)
+#: Krylov iteration of the fast bound: at most this many steps, stopped when the estimate moved by less than
+#: ``_KRYLOV_TOL`` (relative) over the last ``_KRYLOV_EVERY`` steps; when the first factorization fails (the
+#: estimate stalled on a second eigenvalue), run again with at least twice the steps and a 100x tighter tolerance
+#: before raising ``tau``.
+_KRYLOV_STEPS = 96
+_KRYLOV_TOL = 1e-5
+_KRYLOV_EVERY = 4
+#: Block size of the blocked Cholesky factorization on the CPU.
+_CHOL_BLOCK = 192
+#: Absolute error of one float64 operation that underflows (the smallest normal: covers flush-to-zero too).
+_ETA = 2.0**-1022
+
+_PRECISION: contextvars.ContextVar[str] = contextvars.ContextVar("certblocks_norm_precision", default="fast")
+
+
+def _check_precision(precision: Optional[str]) -> str:
+    if precision is None:
+        return _PRECISION.get()
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS} or None, got {precision!r}")
+    return precision
+
+
+def get_norm_precision() -> str:
+    """The precision a norm computed now uses when its call names none (``"fast"`` unless set by
+    :func:`norm_precision`)."""
+    return _PRECISION.get()
+
+
+@contextlib.contextmanager
+def norm_precision(precision: str) -> Iterator[None]:
+    """Compute every spectral norm inside the block with ``precision`` (one of :data:`PRECISIONS`), unless a call
+    names its own; restored after.  Per thread and per task (a context variable): :func:`concurrent_calls` hands it
+    to its workers.
+
+    Example: ``with norm_precision("tight"): cert = certify(model, x)`` recomputes a certificate with the
+    eigensolver's bounds.
+
+    Raises:
+        ValueError: ``precision`` is not one of :data:`PRECISIONS`.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    token = _PRECISION.set(precision)
+    try:
+        yield
+    finally:
+        _PRECISION.reset(token)
 
 
 def _gamma(n: int) -> float:
@@ -89,7 +198,8 @@ def rounded_up(value: float, terms: int = 1) -> float:
 
 
 def _f64(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to(device="cpu", dtype=torch.complex128 if t.is_complex() else torch.float64)
+    """``t`` in float64 (complex128 for a complex tensor) on its own device, detached."""
+    return t.detach().to(dtype=torch.complex128 if t.is_complex() else torch.float64)
 
 
 @contextlib.contextmanager
@@ -136,13 +246,14 @@ def concurrent_calls(tasks: Sequence[Callable[[], Any]], *, return_exceptions: b
     if workers > 1 and _distributed():
         workers = 1
     grad = torch.is_grad_enabled()
+    precision = _PRECISION.get()  # a worker thread starts with the context variable's default
     # a worker starts on CUDA's default stream: keep the caller's (weights written on a side stream)
     stream = torch.cuda.current_stream() if workers > 1 and torch.cuda.is_initialized() else None
 
     def call(task: Callable[[], Any]) -> Tuple[bool, Any]:
         try:
-            with torch.set_grad_enabled(grad), (contextlib.nullcontext() if stream is None
-                                                else torch.cuda.stream(stream)):
+            with torch.set_grad_enabled(grad), norm_precision(precision), (
+                    contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)):
                 return True, task()
         except Exception as exc:  # noqa: BLE001 -- handed back, raised below in task order
             return False, exc
@@ -204,16 +315,18 @@ def _gram_lambda_max(a: torch.Tensor) -> float:
     return max(float(ev.max()), 0.0)
 
 
-def _gram_power_bound(w: torch.Tensor) -> float:
+def _gram_power_bound(w: torch.Tensor, g: Optional[torch.Tensor] = None) -> float:
     """Rigorous ``||W||_2 <= ||G^p||_F^(1/(2p))``, ``G`` the small Gram matrix, ``p = 2^_SQUARINGS``.
 
     The Frobenius norm is pulled out before each squaring (``H_{j+1} = (H_j / f_j)^2``) and its
     logarithm kept.  Rounding: each squaring of a matrix of Frobenius norm 1 errs by at most
     ``gamma_k`` in the Frobenius norm, and the error of step ``j`` reaches the result as the power
-    ``2^-(j+1)``: a relative margin ``2 k gamma_k`` on the norm covers all of them.
+    ``2^-(j+1)``: a relative margin ``2 k gamma_k`` on the norm covers all of them.  ``g``: the float64 Gram
+    matrix of ``w`` when already formed (any order of summation: the same ``gamma_m`` bound).
     """
     m, k = max(w.shape), min(w.shape)
-    g = w.mT @ w if w.shape[0] >= w.shape[1] else w @ w.mT
+    if g is None:
+        g = w.mT @ w if w.shape[0] >= w.shape[1] else w @ w.mT
     log_factor = 0.0
     for j in range(_SQUARINGS):
         f = float(torch.linalg.matrix_norm(g))
@@ -230,6 +343,259 @@ def _gram_power_bound(w: torch.Tensor) -> float:
     return value * (1.0 + margin(m, k) + 2.0 * k * _gamma(k))
 
 
+def _tight_op_norms(a: torch.Tensor) -> List[float]:
+    """The tight bounds of ``||A_i||_2`` for a float64 (or complex128) batch ``(B, m, n)``: eigensolver and margin,
+    the Gram-power bound above :data:`EXACT_LIMIT`."""
+    m, k = max(a.shape[-2:]), min(a.shape[-2:])
+    if a.numel() == 0:
+        return [0.0] * a.shape[0]
+    if k > EXACT_LIMIT:
+        return [_gram_power_bound(mat) for mat in a]
+    with one_thread():
+        g = a @ a.mH if a.shape[-2] <= a.shape[-1] else a.mH @ a
+        ev = torch.linalg.eigvalsh(g)[..., -1].clamp_min(0.0)
+    scale = 1.0 / (1.0 - margin(m, k))
+    return [math.sqrt(float(e) * scale) for e in ev]
+
+
+# ---------------------------------------------------------------------------------------------- the fast bound
+def _up(x: float, ops: int = 1) -> float:
+    """``x >= 0`` raised past the rounding of ``ops`` float64 operations that produced it."""
+    return x * (1.0 + 2.0 * (ops + 1) * UNIT_ROUNDOFF)
+
+
+def _block_gram(a: torch.Tensor) -> torch.Tensor:
+    """``fl(A^T A)`` for a batch ``(B, m, k)``: only the upper block triangle multiplied (up to 8 column blocks),
+    each lower block the transpose of its upper one; every entry an inner product of length ``m`` (module
+    docstring, fast bound step 1)."""
+    k = a.shape[-1]
+    parts = min(8, max(1, round(k / 192)))
+    if parts == 1:
+        return a.mT @ a
+    width = -(-k // parts)
+    g = a.new_empty(a.shape[0], k, k)
+    for i0 in range(0, k, width):
+        i1 = min(i0 + width, k)
+        g[..., i0:i1, i0:] = a[..., i0:i1].mT @ a[..., i0:]
+        if i1 < k:
+            g[..., i1:, i0:i1] = g[..., i0:i1, i1:].mT
+    return g
+
+
+def _cholesky_completes(shifted: torch.Tensor) -> List[bool]:
+    """Whether the float64 Cholesky factorization of each matrix of ``shifted`` (overwritten) runs to completion.
+
+    On the CPU a right-looking blocked factorization (diagonal blocks by LAPACK, the panel by a triangular solve,
+    the trailing lower block columns by matrix products: the same inner products in another order, so the same
+    error bound, module docstring step 3), about 1.5x faster than one LAPACK call on one thread; elsewhere one call.
+    """
+    n = shifted.shape[-1]
+    if shifted.device.type != "cpu" or n <= 2 * _CHOL_BLOCK:
+        return [i == 0 for i in torch.linalg.cholesky_ex(shifted)[1].cpu().tolist()]
+    ok = torch.ones(shifted.shape[0], dtype=torch.bool)
+    for j in range(0, n, _CHOL_BLOCK):
+        e = min(j + _CHOL_BLOCK, n)
+        l11, info = torch.linalg.cholesky_ex(shifted[..., j:e, j:e])
+        ok &= info.cpu() == 0
+        if e < n:
+            l21 = torch.linalg.solve_triangular(l11, shifted[..., e:, j:e].mT, upper=False).mT
+            for c0 in range(e, n, _CHOL_BLOCK):
+                c1 = min(c0 + _CHOL_BLOCK, n)
+                shifted[..., c0:, c0:c1] -= l21[..., c0 - e:, :] @ l21[..., c0 - e:c1 - e, :].mT
+    return ok.tolist()
+
+
+def _krylov_top(g: torch.Tensor, *, tol: float = _KRYLOV_TOL, min_steps: int = 0,
+                max_steps: int = _KRYLOV_STEPS) -> Tuple[List[float], int]:
+    """Estimates of ``lambda_max`` of each symmetric ``(k, k)`` matrix of the batch ``g``: Lanczos with full
+    reorthogonalization (classical Gram-Schmidt twice), in float32 (an estimate needs no more: the Cholesky
+    factorization decides), the largest eigenvalue of the tridiagonal matrix every :data:`_KRYLOV_EVERY` steps.
+
+    A fixed pseudo-random start (the same values every run).  An exhausted direction (an invariant subspace: an
+    orthogonal matrix, a low-rank one: what is left after the orthogonalization is rounding) continues from a fresh
+    pseudo-random direction with ``beta = 0``: the tridiagonal matrix splits there, each block a subspace's.
+    Stops after ``min_steps`` at the earliest.  Returns the estimates and the number of steps taken.
+    """
+    B, k = g.shape[0], g.shape[-1]
+    steps = min(max_steps, k)
+    # float32 after dividing by the largest diagonal entry (|g_ij| <= max g_ii for a Gram matrix): no underflow
+    top = g.diagonal(dim1=-2, dim2=-1).amax(-1).clamp_min(1e-300)
+    G = (g / top[:, None, None]).to(torch.float32)
+    gen = torch.Generator(device=g.device)
+    gen.manual_seed(0x5EED)
+    V = G.new_zeros(B, steps + 1, k)  # the basis, one vector per row
+    v = torch.randn(B, k, generator=gen, dtype=torch.float32, device=g.device)
+    V[:, 0] = v / torch.linalg.vector_norm(v, dim=-1, keepdim=True)
+    alphas: List[torch.Tensor] = []
+    betas: List[torch.Tensor] = []
+    prev: Optional[torch.Tensor] = None
+    theta = torch.zeros(B, dtype=torch.float64)
+    def orthogonalized(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+        for _ in range(2):
+            x = x - torch.bmm(torch.bmm(x[:, None], basis.mT), basis)[:, 0]
+        return x
+
+    for j in range(steps):
+        w = torch.bmm(G, V[:, j, :, None])[..., 0]
+        alphas.append((w * V[:, j]).sum(-1))
+        basis = V[:, :j + 1]
+        size = torch.linalg.vector_norm(w, dim=-1)
+        w = orthogonalized(w, basis)
+        b = torch.linalg.vector_norm(w, dim=-1)
+        spent = b <= 1e-5 * size  # what is left is rounding: restart from a fresh direction, beta = 0
+        if j + 1 < steps and bool(spent.any()):
+            fresh = orthogonalized(torch.randn(B, k, generator=gen, dtype=torch.float32, device=g.device), basis)
+            w = torch.where(spent[:, None], fresh, w)
+            b = torch.where(spent, torch.zeros_like(b), b)
+        betas.append(b)
+        V[:, j + 1] = w / torch.linalg.vector_norm(w, dim=-1, keepdim=True).clamp_min(1e-30)
+        if (j + 1) % _KRYLOV_EVERY == 0 or j + 1 == steps:
+            t = torch.diag_embed(torch.stack(alphas, -1).to(device="cpu", dtype=torch.float64))
+            if j:
+                off = torch.diag_embed(torch.stack(betas[:-1], -1).to(device="cpu", dtype=torch.float64), 1)
+                t = t + off + off.mT
+            theta = torch.linalg.eigvalsh(t)[..., -1]
+            if j + 1 >= min_steps and prev is not None and bool(((theta - prev).abs() <= tol * theta.abs()).all()):
+                break
+            prev = theta
+    return [max(float(x), 0.0) * float(f) for x, f in zip(theta, top.cpu())], j + 1
+
+
+def _fast_bounds(a: torch.Tensor) -> List[float]:
+    """The fast bounds of ``||A_i||_2`` for a real floating batch ``(B, m, k)`` with ``k <= m`` (module docstring,
+    "The fast bound", steps 1 to 4); ``inf`` for a matrix with a NaN or an infinity."""
+    B, m, k = a.shape
+    u = UNIT_ROUNDOFF
+    out: List[Optional[float]] = [None] * B
+    exps = [0] * B
+    if a.dtype == torch.float64:  # only a float64 matrix can overflow or underflow its float64 Gram matrix
+        for i, x in enumerate(a.abs().amax(dim=(-2, -1)).cpu().tolist()):
+            if not math.isfinite(x):
+                out[i] = math.inf
+            elif x != 0.0 and abs(math.frexp(x)[1]) > 300:
+                exps[i] = math.frexp(x)[1]
+    todo = [i for i in range(B) if out[i] is None]
+    if not todo:
+        return [float(x) for x in out]  # type: ignore[arg-type]
+    a64 = (a if len(todo) == B else a[todo]).to(torch.float64)
+    if any(exps[i] for i in todo):
+        a64 = a64 * torch.tensor([2.0 ** -exps[i] for i in todo], dtype=torch.float64,
+                                 device=a64.device).reshape(-1, 1, 1)
+    g = _block_gram(a64)
+    # a NaN or an infinity reaches the diagonal (a sum of squares); >= the exact sum of the computed diagonal
+    fro2 = (g.diagonal(dim1=-2, dim2=-1).sum(-1) * (1.0 + _gamma(k) + u)).cpu().tolist()
+    live = []
+    for j, f in enumerate(fro2):
+        if not math.isfinite(f):
+            out[todo[j]] = math.inf
+        elif f == 0.0:
+            out[todo[j]] = 0.0
+        else:
+            live.append(j)
+    if not live:
+        return [float(x) for x in out]  # type: ignore[arg-type]
+    if len(live) < len(todo):
+        todo, a64, g, fro2 = [todo[j] for j in live], a64[live], g[live], [fro2[j] for j in live]
+    d_gram = [_up(_gamma(m) * f / (1.0 - _gamma(m)) + 2.0 * k * m * _ETA, 4) for f in fro2]
+    theta, used = _krylov_top(g)
+    pending = list(range(len(todo)))
+    c_k = _gamma(k + 1) / (1.0 - _gamma(k + 1))
+    schedule = [(FAST_STEPS[0], False), (FAST_STEPS[0], True)] + [(tau, False) for tau in FAST_STEPS[1:]]
+    for tau, refine in schedule:
+        if not pending:
+            break
+        gp = g if len(pending) == len(todo) else g[pending]
+        if refine:  # the estimate stalled: a longer, tighter Krylov run on what is left
+            again = _krylov_top(gp, tol=_KRYLOV_TOL / 100, min_steps=min(k, 2 * used + 16),
+                                max_steps=4 * _KRYLOV_STEPS)[0]
+            for idx, j in enumerate(pending):
+                theta[j] = max(theta[j], again[idx])
+        ts = [theta[j] * (1.0 + tau) + 1e-300 for j in pending]  # > 0: a zero estimate still shifts
+        shifted = gp.neg()
+        shifted.diagonal(dim1=-2, dim2=-1).add_(torch.tensor(ts, dtype=g.dtype, device=g.device).reshape(-1, 1))
+        sd = shifted.diagonal(dim1=-2, dim2=-1).abs()
+        trace = (sd.sum(-1) * (1.0 + _gamma(k) + u)).cpu().tolist()
+        top = sd.amax(-1).cpu().tolist()
+        completes = _cholesky_completes(shifted)
+        still = []
+        for idx, j in enumerate(pending):
+            if not completes[idx]:
+                still.append(j)
+                continue
+            d_eta = 16.0 * k * (k + 2.0 + max(1.0, top[idx])) * _ETA
+            lam = _up(ts[idx] + u * top[idx] + c_k * trace[idx] + d_eta + d_gram[j], 8)
+            out[todo[j]] = _unscale(lam, m, k, exps[todo[j]])
+        pending = still
+    for j in pending:  # no step factored: the tight path on the same Gram matrix
+        out[todo[j]] = _unscale(_tight_sq(a64[j], g[j]), m, k, exps[todo[j]])
+    return [float(x) for x in out]  # type: ignore[arg-type]
+
+
+def _tight_sq(a64: torch.Tensor, g: torch.Tensor) -> float:
+    """The tight bound of ``||A||_2^2`` from ``A`` (``m x k``) and its float64 Gram matrix ``g`` (fallback)."""
+    m, k = a64.shape
+    if k > EXACT_LIMIT:
+        return _up(_gram_power_bound(a64, g) ** 2, 1)
+    lam = max(float(torch.linalg.eigvalsh(g)[-1]), 0.0)
+    return _up(lam / (1.0 - margin(m, k)), 1)
+
+
+def _unscale(lam: float, m: int, k: int, e: int) -> float:
+    """``2^e (sqrt(lam) + sqrt(m k) eta)`` rounded up: the bound of the unscaled matrix (fast bound step 4)."""
+    root = _up(math.sqrt(lam), 1)
+    if e:
+        root = _up(root + math.sqrt(m * k) * _ETA, 1)
+    return math.ldexp(root, e)
+
+
+def _matrices(w: torch.Tensor) -> torch.Tensor:
+    """``w`` as a batch ``(B, m, n)`` of its last two dimensions (detached)."""
+    a = w.detach()
+    return a.reshape(-1, a.shape[-2], a.shape[-1])
+
+
+def _fast_op_norms(a: torch.Tensor) -> Optional[List[float]]:
+    """The fast bounds of a batch ``(B, m, n)``, or ``None`` where the tight path applies (a complex or integer
+    tensor, a small side of at most :data:`FAST_MIN`)."""
+    if a.is_complex() or not a.is_floating_point() or min(a.shape[-2:]) <= FAST_MIN or a.numel() == 0:
+        return None
+    if a.shape[-2] < a.shape[-1]:
+        a = a.mT
+    with one_thread():
+        return _fast_bounds(a)
+
+
+def op_norm(w: torch.Tensor, *, precision: Optional[str] = None) -> float:
+    """Upper bound of the spectral norm ``||W||_2`` (the largest over a batch of matrices in the last two dims).
+
+    A 1-D tensor is a vector (its Euclidean norm), a 0-d tensor a scalar (its absolute value).
+
+    Args:
+        w: a tensor of any dtype and device (computed in float64 on its device).
+        precision: ``"fast"`` (Cholesky-verified, at most ``sqrt(1 + 1e-4)`` above the tight value when its first
+            step factors) or ``"tight"`` (the eigensolver, exact up to the stated margin while the smaller side is at
+            most :data:`EXACT_LIMIT`); ``None``: :func:`get_norm_precision` (module docstring).
+
+    Raises:
+        TypeError: ``w`` is not a tensor.
+        ValueError: ``precision`` is not one of :data:`PRECISIONS` or ``None``.
+    """
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"op_norm expects a tensor, got {type(w).__name__}")
+    mode = _check_precision(precision)
+    if w.ndim == 0:
+        return float(_f64(w).abs())
+    if w.ndim == 1:
+        return vec_norm(w)
+    if w.numel() == 0:
+        return 0.0
+    if mode == "fast":
+        fast = _fast_op_norms(_matrices(w))
+        if fast is not None:
+            return max(fast)
+    return _op_norm_uncached(w)
+
+
 def _op_norm_uncached(w: torch.Tensor) -> float:
     a = _f64(w)
     a = a.reshape(-1, a.shape[-2], a.shape[-1])
@@ -239,30 +605,10 @@ def _op_norm_uncached(w: torch.Tensor) -> float:
     return math.sqrt(_gram_lambda_max(a) / (1.0 - margin(m, k)))
 
 
-def op_norm(w: torch.Tensor) -> float:
-    """Upper bound of the spectral norm ``||W||_2`` (the largest over a batch of matrices in the last two dims).
-
-    A 1-D tensor is a vector (its Euclidean norm), a 0-d tensor a scalar (its absolute value).  Exact up to
-    the stated margin (module docstring) while the smaller side is at most :data:`EXACT_LIMIT`.
-
-    Args:
-        w: a tensor of any dtype and device (computed in float64 on the CPU).
-    """
-    if not isinstance(w, torch.Tensor):
-        raise TypeError(f"op_norm expects a tensor, got {type(w).__name__}")
-    if w.ndim == 0:
-        return float(_f64(w).abs())
-    if w.ndim == 1:
-        return vec_norm(w)
-    if w.numel() == 0:
-        return 0.0
-    return _op_norm_uncached(w)
-
-
 def op_norm_tensor(w: torch.Tensor) -> torch.Tensor:
     """Upper bound of ``||W||_2`` as a float64 0-d tensor on ``W``'s device (for parametrizations).
 
-    Same bound as :func:`op_norm` (eigenvalue of the small Gram matrix, the same margin), computed where ``W``
+    The tight bound of :func:`op_norm` (eigenvalue of the small Gram matrix, the same margin), computed where ``W``
     lives and without a graph: usable inside a forward without a device-to-host synchronization.
     """
     if w.numel() == 0:
@@ -277,28 +623,32 @@ def op_norm_tensor(w: torch.Tensor) -> torch.Tensor:
     return torch.sqrt(lam / (1.0 - margin(m, k)))
 
 
-def op_norms(w: torch.Tensor) -> List[float]:
-    """Upper bounds of ``||W_i||_2`` for each matrix of a batch ``(..., m, n)``, in one eigensolver call."""
-    a = _f64(w)
-    a = a.reshape(-1, a.shape[-2], a.shape[-1])
-    m, k = max(a.shape[-2:]), min(a.shape[-2:])
-    if a.numel() == 0:
-        return [0.0] * a.shape[0]
-    if k > EXACT_LIMIT:
-        return [_gram_power_bound(mat) for mat in a]
-    with one_thread():
-        g = a @ a.mH if a.shape[-2] <= a.shape[-1] else a.mH @ a
-        ev = torch.linalg.eigvalsh(g)[..., -1].clamp_min(0.0)
-    scale = 1.0 / (1.0 - margin(m, k))
-    return [math.sqrt(float(e) * scale) for e in ev]
+def op_norms(w: torch.Tensor, *, precision: Optional[str] = None) -> List[float]:
+    """Upper bounds of ``||W_i||_2`` for each matrix of a batch ``(..., m, n)``, all in one batched computation.
+
+    Args:
+        w: the batch (any dtype and device).
+        precision: as for :func:`op_norm`.
+    """
+    mode = _check_precision(precision)
+    a = _matrices(w)
+    if mode == "fast" and a.numel():
+        fast = _fast_op_norms(a)
+        if fast is not None:
+            return fast
+    return _tight_op_norms(_f64(a))
 
 
-def product_norm(a: torch.Tensor, b: torch.Tensor) -> float:
+def product_norm(a: torch.Tensor, b: torch.Tensor, *, precision: Optional[str] = None) -> float:
     """Upper bound of ``||A B||_2``; exact (with the margin) for a thin product through its ``k x k`` core.
 
     For ``A`` of shape ``(p, k)`` and ``B`` of shape ``(k, r)`` with ``k`` smaller than both outer sides (the
     heads' ``W_O^h W_V^h`` and ``W_Q^{hT} W_K^h`` are ``d x d`` of rank ``d_k``), the reduced QR factors
-    ``A = Q_a R_a``, ``B^T = Q_b R_b`` give ``||A B|| = ||R_a R_b^T||`` (see :func:`product_norms`).
+    ``A = Q_a R_a``, ``B^T = Q_b R_b`` give ``||A B|| = ||R_a R_b^T||`` (see :func:`product_norms`).  ``precision``:
+    as for :func:`op_norm`, for the spectral norms it takes.
+
+    Raises:
+        ValueError: the inner sizes differ, or ``precision`` is not one of :data:`PRECISIONS` or ``None``.
     """
     a64, b64 = _f64(a), _f64(b)
     if a64.ndim != 2 or b64.ndim != 2 or a64.shape[-1] != b64.shape[-2]:
@@ -306,18 +656,19 @@ def product_norm(a: torch.Tensor, b: torch.Tensor) -> float:
     p, k, r = a64.shape[0], a64.shape[1], b64.shape[1]
     if k >= min(p, r):
         fa, fb = vec_norm(a64), vec_norm(b64)
-        return op_norm(a64 @ b64) + _gamma(k) * fa * fb  # |fl(AB) - AB| <= gamma_k |A| |B| entrywise
-    return product_norms(a64[None], b64[None])[0]
+        # |fl(AB) - AB| <= gamma_k |A| |B| entrywise
+        return op_norm(a64 @ b64, precision=precision) + _gamma(k) * fa * fb
+    return product_norms(a64[None], b64[None], precision=precision)[0]
 
 
-def product_norms(a: torch.Tensor, b: torch.Tensor) -> List[float]:
+def product_norms(a: torch.Tensor, b: torch.Tensor, *, precision: Optional[str] = None) -> List[float]:
     """Upper bounds of ``||A_i B_i||_2`` for batches ``(H, p, k)`` and ``(H, k, r)`` of thin products (``k`` small).
 
     The reduced QR factors ``A_i = Q R_a``, ``B_i^T = Q' R_b`` give ``||A_i B_i|| = ||R_a R_b^T||``, a ``k x k``
     problem, all heads in one batched call.  The QR factorization is backward stable (Higham, Thm 19.4): ``R_a``
     is exact for ``A + dA`` with ``||dA||_F <= 8 p k u ||A||_F`` (columnwise), likewise ``R_b``; the bound adds
     ``||dA|| ||B|| + ||A + dA|| ||dB||`` and the core product's rounding to the core's norm, with
-    ``||A|| <= ||R_a|| + ||dA||``.
+    ``||A|| <= ||R_a|| + ||dA||``.  ``precision``: as for :func:`op_norm`, for the spectral norms of the factors.
     """
     a64, b64 = _f64(a), _f64(b)
     H, p, k = a64.shape
@@ -329,7 +680,7 @@ def product_norms(a: torch.Tensor, b: torch.Tensor) -> List[float]:
     fa = torch.linalg.vector_norm(a64, dim=(-2, -1)) * (1.0 + _gamma(p * k) + UNIT_ROUNDOFF)
     fb = torch.linalg.vector_norm(b64, dim=(-2, -1)) * (1.0 + _gamma(k * r) + UNIT_ROUNDOFF)
     ea, eb = 8.0 * p * k * UNIT_ROUNDOFF, 8.0 * r * k * UNIT_ROUNDOFF
-    cores, nra, nrb = op_norms(core), op_norms(ra), op_norms(rb)
+    cores, nra, nrb = (op_norms(x, precision=precision) for x in (core, ra, rb))
     out = []
     for i in range(H):
         fai, fbi = float(fa[i]), float(fb[i])
@@ -340,7 +691,8 @@ def product_norms(a: torch.Tensor, b: torch.Tensor) -> List[float]:
 
 
 def sandwich_norm(a: torch.Tensor, b: torch.Tensor, lo: float, hi: float, *, a_norm: Optional[float] = None,
-                  b_norm: Optional[float] = None, ab_norm: Optional[float] = None) -> float:
+                  b_norm: Optional[float] = None, ab_norm: Optional[float] = None,
+                  precision: Optional[str] = None) -> float:
     """Upper bound of ``sup ||A diag(d) B||_2`` over diagonals with ``lo <= d_k <= hi``.
 
     Writes ``diag(d) = m I + E`` with ``m = (lo + hi) / 2`` and ``||E|| <= h = (hi - lo) / 2``: the bound is
@@ -351,12 +703,13 @@ def sandwich_norm(a: torch.Tensor, b: torch.Tensor, lo: float, hi: float, *, a_n
         b: right matrix ``(k, r)``.
         lo, hi: the range of the diagonal entries.
         a_norm, b_norm, ab_norm: precomputed upper bounds of ``||A||``, ``||B||``, ``||A B||``.
+        precision: as for :func:`op_norm`, for the norms computed here.
     """
-    na = op_norm(a) if a_norm is None else a_norm
-    nb = op_norm(b) if b_norm is None else b_norm
+    na = op_norm(a, precision=precision) if a_norm is None else a_norm
+    nb = op_norm(b, precision=precision) if b_norm is None else b_norm
     mid, half = 0.5 * (lo + hi), 0.5 * (hi - lo)
     crude = max(abs(lo), abs(hi)) * na * nb
     if mid == 0.0:
         return crude
-    ab = product_norm(a, b) if ab_norm is None else ab_norm
+    ab = product_norm(a, b, precision=precision) if ab_norm is None else ab_norm
     return min(abs(mid) * ab + half * na * nb, crude)
