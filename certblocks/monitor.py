@@ -108,9 +108,9 @@ from .blocks.stats import power_norm as _power_step
 from .bounds import one_thread
 from .certificate import BlockCertificate, StackCertificate, certify_stack
 from .envelope import CertificateWarning, envelope_paused
-from .model import CertifiedModel, as_certified
+from .model import CertifiedModel, as_certified, attention_module
 from .ondata.sources import Call
-from .ondata.watch import OnDataWatch, autocast_state, batch_of
+from .ondata.watch import OnDataWatch, StepFigures, StepRecorder, autocast_state, batch_of
 from .precision import as_precision
 from .updates import ResidualUpdates, residual_updates
 
@@ -186,7 +186,8 @@ class CertificateMonitor:
                  power_iters: int = 4, power_iters_init: int = 50, logit_samples: int = 8,
                  batch_figures: bool = True, on_data: bool = True, headroom_threshold: Optional[float] = 1.0,
                  horizon: Optional[int] = None, trend_window: int = 5, worst_case_alerts: bool = False,
-                 data_steps: int = 4, headroom_basis: str = "measured", estimate_every: Optional[int] = None) -> None:
+                 data_steps: int = 4, headroom_basis: str = "measured", estimate_every: Optional[int] = None,
+                 measure_in_step: bool = True) -> None:
         self.precision = as_precision(dtype)
         self.dtype = self.precision.name
         self.every = check_int("every", every)
@@ -233,19 +234,101 @@ class CertificateMonitor:
         self._batch: Optional[Any] = None
         self._qk_normed: Dict[int, bool] = {}
         self._warm: Dict[int, Dict[str, torch.Tensor]] = {}
+        # measured in the training step (the measured basis): per update its figures, the recorders running now
+        self._step_figs: Dict[int, StepFigures] = {}
+        self._recording: Dict[int, Tuple[StepRecorder, List[nn.Module], StepFigures]] = {}
+        self._in_step = False
+        self.measure_in_step = check_bool("measure_in_step", measure_in_step)
         if self.updates is None:
             assert cm.module is not None
             self._handles.append(cm.module.register_forward_pre_hook(self._model_hook, with_kwargs=True))
         elif batch_figures:
             for k in range(len(cm.modules)):
                 entry, exit_ = cm.io(k)
+                if self._watch is not None and measure_in_step:  # before the hooks below: they run outside it
+                    self._handles += self._step_hooks(k, entry, exit_)
                 if entry is not exit_:  # a view outside the model's forward: its entry sees X_k, its exit v(X_k)
                     self._handles.append(entry.register_forward_hook(self._make_input_hook(k), with_kwargs=True))
                     self._handles.append(exit_.register_forward_hook(self._make_hook(k, entry), with_kwargs=True))
                 else:
                     self._handles.append(entry.register_forward_hook(self._make_hook(k), with_kwargs=True))
 
+        self._arm()
+
     # -- hooks ----------------------------------------------------------------------------------------------
+    def _arm(self) -> None:
+        """Arm the hooks for the next step when it is checked (``_armed``), and the measurement in the training
+        step when that check reads the measured basis only (``_in_step``)."""
+        self._armed = self.step_count % self.every == 0
+        self._in_step = (self._armed and self.measure_in_step and self._watch is not None
+                         and self.updates is not None and self._watch.measured_next())
+
+    def _step_hooks(self, k: int, entry: nn.Module, exit_: nn.Module) -> List[Any]:
+        """The hooks that measure update ``k`` in the training step of a check on the measured basis: from the
+        entry's call to the exit's return a :class:`StepRecorder` sees every torch function (the largest
+        intermediate per dtype, as the separate recorded pass; a fused QK-norm runs as its plain composition, as
+        there), a tensor hook on ``X_k`` keeps the costate ``p_k`` of the user's backward, and the attention's input
+        gives its largest logit."""
+        assert self.updates is not None
+        update = self.updates.modules[k]
+        attn = attention_module(update)
+
+        def start(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not self._in_step or k in self._step_figs or k in self._recording or not torch.is_grad_enabled():
+                return
+            found = state_of(module, args, kwargs)
+            if found is None or not found[0].requires_grad:  # no graph from X_k: the separate passes measure
+                return
+            x, fig = found[0], StepFigures()
+            fig.attention = attn is not None
+
+            def keep(g: torch.Tensor) -> None:  # dL/dX_k, every use of X_k summed: the costate p_k
+                if fig.costate is None:
+                    fig.costate = g.detach()
+            x.register_hook(keep)
+            fused = [m for m in update.modules() if getattr(m, "fused_qk_norm", None) is True]
+            for m in fused:
+                m.fused_qk_norm = False
+            rec = StepRecorder(x)
+            rec.__enter__()
+            self._recording[k] = (rec, fused, fig)
+
+        def seen(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if k in self._recording and self._recording[k][2].logit_input is None:
+                found = state_of(module, args, kwargs)
+                self._recording[k][2].logit_input = None if found is None else found[0]
+
+        def stop(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if k not in self._recording:
+                return
+            rec, fused, fig = self._stop(k)
+            fig.peak, fig.peaks = rec.peaks()
+            if attn is not None and fig.logit_input is not None:
+                with envelope_paused():
+                    stats = attn.attention_stats(fig.logit_input, samples=self.logit_samples,  # type: ignore[operator]  # an attention
+                                                 kappa=False)
+                fig.max_logit = stats.get("max_logit")
+            self._step_figs[k] = fig
+
+        handles = [entry.register_forward_pre_hook(start, with_kwargs=True)]
+        if attn is not None:
+            handles.append(attn.register_forward_pre_hook(seen, with_kwargs=True))
+        handles.append(exit_.register_forward_hook(stop, with_kwargs=True))
+        return handles
+
+    def _stop(self, k: int) -> Tuple[StepRecorder, List[nn.Module], StepFigures]:
+        """End update ``k``'s recording (its recorder leaves the mode stack, a fused QK-norm is fused again)."""
+        rec, fused, fig = self._recording.pop(k)
+        rec.__exit__(None, None, None)
+        for m in fused:
+            m.fused_qk_norm = True
+        return rec, fused, fig
+
+    def _drop_recordings(self) -> None:
+        """End the recordings a forward left running (it raised between an update's entry and exit)."""
+        for k in sorted(self._recording, reverse=True):
+            self._stop(k)
+
     @staticmethod
     def _call_of(module: nn.Module, args: tuple, kwargs: dict) -> Optional[Tuple[torch.Tensor, tuple, dict, Any]]:
         """``(X_k, other args, other kwargs, where X_k was passed)`` of a velocity's call (:func:`state_of`)."""
@@ -283,7 +366,10 @@ class CertificateMonitor:
                     if cap["grad"] is None:
                         cap["grad"] = g.detach()
                 y.register_hook(grad_hook)
-            if callable(getattr(module, "attention_stats", None)):  # the update is an attention: X_k is its input
+            fig = self._step_figs.get(k)
+            if fig is not None and fig.logit_input is x:  # measured in the step already, on the same input
+                cap["max_logit"] = fig.max_logit
+            elif callable(getattr(module, "attention_stats", None)):  # the update is an attention: X_k is its input
                 with envelope_paused():
                     stats = module.attention_stats(x, samples=self.logit_samples, kappa=False)  # type: ignore[operator]  # checked callable above
                 cap["max_logit"] = stats.get("max_logit")
@@ -342,8 +428,9 @@ class CertificateMonitor:
             finally:
                 self._stacklevel = 5
         self.step_count += 1
-        self._captures, self._batch = {}, None
-        self._armed = self.step_count % self.every == 0
+        self._drop_recordings()
+        self._captures, self._batch, self._step_figs = {}, None, {}
+        self._arm()
         return record
 
     def check(self) -> Dict[str, Any]:
@@ -394,9 +481,15 @@ class CertificateMonitor:
                  for k, (n, m, c) in enumerate(zip(ups.names, ups.modules, caps))]
         grad = caps[-1]["grad"]
         kappas = {k: rec[f"{n}/kappa"] for k, n in enumerate(ups.names) if rec.get(f"{n}/kappa") is not None}
+        figs = [self._step_figs.get(k) for k in range(len(calls))]
+        model = type(self._model.module).__name__
+        rec["data/measured_in_step"] = in_step = (grad is not None and self._watch.measured_next()
+                                                  and all(f is not None and f.complete for f in figs))
+        if in_step:  # the training step measured everything the measured basis reads: no pass here
+            return self._watch.from_measured(calls, figs, dt=ups.dt, certs=certs, p_d=grad / ups.dt,  # type: ignore[arg-type]  # complete: none is None
+                                             kappas=kappas, model=model)
         return self._watch.from_calls(calls, dt=ups.dt, certs=certs, p_d=None if grad is None else grad / ups.dt,
-                                      lip_g=ups.lip_g, kappas=kappas, state=caps[0]["autocast"],
-                                      model=type(self._model.module).__name__)
+                                      lip_g=ups.lip_g, kappas=kappas, state=caps[0]["autocast"], model=model)
 
     def _record_data(self, rec: Dict[str, Any], report: Any) -> None:
         """The on-data figures into ``rec``, and their alerts."""
@@ -529,6 +622,7 @@ class CertificateMonitor:
 
     def remove(self) -> None:
         """Remove the forward hooks (the records stay)."""
+        self._drop_recordings()
         for h in self._handles:
             h.remove()
         self._handles = []
