@@ -6,12 +6,14 @@ overhead), a ``CertifiedStack`` of 8 updates with a loss, and a Hugging Face GPT
 (``torch.export`` included) with its labels.  For each, the median time of a plain forward+backward, and the
 median time of a cold ``trajectory`` (no warm start) per setting; the ratio is the cost in passes.  Settings:
 the default, ``certified=False``, ``steps=4`` and ``jacobians=False, certified=False`` (measured figures only).
-``--monitor``: the time of one ``CertificateMonitor`` check on the mini GPT in training against a training step,
-on the measured basis (the default: no Lanczos) and with ``estimate_every=1``.
+``--monitor``: the cost of one ``CertificateMonitor`` check on the mini GPT in training against a training step
+(:func:`monitor_check_cost`): measured in the training step (the default on the measured basis), by separate
+passes (``measure_in_step=False``) and with ``estimate_every=1``; ``--run-steps N``: a run with ``every=50``.
 
 Usage::
 
-    python benchmarks/trajectory_cost.py [--repeats 5] [--threads 1] [--monitor] [--out FILE]
+    python benchmarks/trajectory_cost.py [--repeats 5] [--threads 1] [--monitor [--monitor-only] [--run-steps N]]
+        [--out FILE]
 """
 
 from __future__ import annotations
@@ -103,33 +105,70 @@ def cases(mini: bool = True) -> List[Tuple[str, torch.nn.Module, Any, Callable[[
     return out
 
 
-def monitor_check_cost(repeats: int) -> Dict[str, Any]:
-    """Seconds of a training step of the mini GPT, and of a monitor check on it (measured basis, then with the
-    Lanczos estimates at every check): medians over ``repeats`` checks after a first (cold) one."""
+def monitor_check_cost(repeats: int, run_steps: int = 0) -> Dict[str, Any]:
+    """A ``CertificateMonitor`` check on the mini GPT in training against a training step, in the same run.
+
+    A training step is ``zero_grad``, forward, backward, ``monitor.step()``, ``optimizer.step()``.  Each mode runs
+    ``every=2`` after a first (cold) check: a checked step and an unchecked one alternate, and the cost of a check is
+    the median over ``repeats`` pairs of (checked step - unchecked step), in training steps (the unchecked step's
+    median): the hooks' work in the forward and backward included.  Modes: ``"in step"`` (the default: measured in
+    the training step), ``"separate passes"`` (``measure_in_step=False``) and ``"estimate_every=1"``.  Also: a step
+    without a monitor (hooks installed but idle cost nothing measurable), the worst-case certificates alone
+    (``certificates(cached=False)``, part of every check), and with ``run_steps`` a run of that many steps with
+    ``every=50``: its overhead over ``run_steps`` unchecked steps (the unchecked median)."""
     from certblocks import CertificateMonitor
+    from certblocks.bounds import one_thread
 
     model, idx = _mini()
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-    def train_step() -> None:
+    def train_step(mon: Any = None) -> Tuple[float, float]:
+        """``(seconds of the step, of monitor.step() in it)``."""
+        t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         model(idx, idx)[1].backward()
-        opt.step()
-    out: Dict[str, Any] = {"train_step_s": _median_seconds(train_step, repeats)}
-    for name, kw in (("measured", {}), ("estimate_every=1", {"estimate_every": 1})):
-        mon = CertificateMonitor(model, "bf16", every=1, **kw)
-        times = []
-        for _ in range(repeats + 1):
-            opt.zero_grad(set_to_none=True)
-            model(idx, idx)[1].backward()
-            t0 = time.perf_counter()
+        t1 = time.perf_counter()
+        if mon is not None:
             mon.step()
-            times.append(time.perf_counter() - t0)
-            opt.step()
+        t2 = time.perf_counter()
+        opt.step()
+        return time.perf_counter() - t0, t2 - t1
+
+    out: Dict[str, Any] = {"plain_step_s": _median_seconds(train_step, repeats)}
+    for name, kw in (("in step", {}), ("separate passes", {"measure_in_step": False}),
+                     ("estimate_every=1", {"estimate_every": 1})):
+        mon = CertificateMonitor(model, "bf16", every=2, **kw)
+        cold = train_step(mon)[1]
+        train_step(mon)
+        checked, unchecked, checks, extra = [], [], [], []
+        for _ in range(repeats):
+            c, in_c = train_step(mon)
+            u, _ = train_step(mon)
+            checked.append(c)
+            unchecked.append(u)
+            checks.append(in_c)
+            extra.append(c - u)
+        in_step = mon.records[-1].get("data/measured_in_step")
         mon.remove()
-        out[name] = {"cold_s": times[0], "check_s": statistics.median(times[1:]),
-                     "steps_per_check": statistics.median(times[1:]) / out["train_step_s"]}
+        step = statistics.median(unchecked)
+        out[name] = {"cold_check_s": cold, "step_s": step, "checked_step_s": statistics.median(checked),
+                     "check_s": statistics.median(extra), "steps_per_check": statistics.median(extra) / step,
+                     "monitor_step_s": statistics.median(checks), "measured_in_step": in_step}
+    ups = CertificateMonitor(model, "bf16", on_data=False).updates
+    assert ups is not None
+
+    def certs() -> None:
+        with one_thread():
+            ups.certificates(cached=False)
+    out["certificates_s"] = _median_seconds(certs, max(1, repeats // 2))
+    if run_steps:
+        mon = CertificateMonitor(model, "bf16", every=50)
+        times = [train_step(mon)[0] for _ in range(run_steps)]
+        mon.remove()
+        base = statistics.median(t for k, t in enumerate(times) if k % 50)
+        out["every=50"] = {"steps": run_steps, "checks": len(mon.records), "run_s": sum(times),
+                           "overhead": sum(times) / (run_steps * base) - 1.0}
     return out
 
 
@@ -139,6 +178,8 @@ def main(argv: Any = None) -> Dict[str, Any]:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--settings", nargs="*", default=list(SETTINGS), choices=list(SETTINGS))
     p.add_argument("--monitor", action="store_true", help="also time a monitor check on the mini GPT")
+    p.add_argument("--run-steps", type=int, default=0, help="with --monitor: a run of this many steps, every=50")
+    p.add_argument("--monitor-only", action="store_true", help="with --monitor: no trajectory() table")
     p.add_argument("--no-mini", action="store_true", help="leave the mini GPT out (the small models only)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -147,7 +188,7 @@ def main(argv: Any = None) -> Dict[str, Any]:
 
     rows = []
     warnings.simplefilter("ignore")
-    for name, model, batch, fb, kw in cases(mini=not args.no_mini):
+    for name, model, batch, fb, kw in ([] if args.monitor_only else cases(mini=not args.no_mini)):
         base = _median_seconds(fb, args.repeats)
         row: Dict[str, Any] = {"model": name, "forward_backward_s": base}
         for setting in args.settings:
@@ -163,11 +204,18 @@ def main(argv: Any = None) -> Dict[str, Any]:
         print(f"{name}: forward+backward {1e3 * base:.1f} ms; passes: {cells}", flush=True)
     result: Dict[str, Any] = {"trajectory": rows}
     if args.monitor:
-        result["monitor"] = mon = monitor_check_cost(args.repeats)
-        print(f"monitor on the mini GPT: training step {mon['train_step_s']:.3f} s; a check on the measured basis "
-              f"{mon['measured']['check_s']:.3f} s ({mon['measured']['steps_per_check']:.2f} steps), with the "
-              f"estimates {mon['estimate_every=1']['check_s']:.3f} s "
-              f"({mon['estimate_every=1']['steps_per_check']:.2f} steps)", flush=True)
+        result["monitor"] = mon = monitor_check_cost(args.repeats, args.run_steps)
+        print(f"monitor on the mini GPT: a training step without a monitor {mon['plain_step_s']:.3f} s; the worst-case "
+              f"certificates alone {mon['certificates_s']:.3f} s", flush=True)
+        for mode in ("in step", "separate passes", "estimate_every=1"):
+            m = mon[mode]
+            print(f"  {mode}: unchecked step {m['step_s']:.3f} s, checked {m['checked_step_s']:.3f} s: a check costs "
+                  f"{m['check_s']:.3f} s = {m['steps_per_check']:.2f} steps (monitor.step() {m['monitor_step_s']:.3f} "
+                  f"s; cold {m['cold_check_s']:.3f} s; measured in the step: {m['measured_in_step']})", flush=True)
+        if "every=50" in mon:
+            r = mon["every=50"]
+            print(f"  every=50: {r['steps']} steps, {r['checks']} checks, {r['run_s']:.1f} s: overhead "
+                  f"{100 * r['overhead']:.2f}% over unchecked steps", flush=True)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=1)

@@ -421,6 +421,7 @@ class CertificateMonitor:
         the batch).  Returns the record on a checked step, else ``None``.
         """
         record = None
+        self._drop_recordings()  # a forward that raised inside an update left its recorder running
         if self.step_count % self.every == 0:
             self._stacklevel = 6
             try:
@@ -428,7 +429,6 @@ class CertificateMonitor:
             finally:
                 self._stacklevel = 5
         self.step_count += 1
-        self._drop_recordings()
         self._captures, self._batch, self._step_figs = {}, None, {}
         self._arm()
         return record
