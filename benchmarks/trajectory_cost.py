@@ -105,17 +105,30 @@ def cases(mini: bool = True) -> List[Tuple[str, torch.nn.Module, Any, Callable[[
     return out
 
 
+def _cpu_median(fn: Callable[[], Any], repeats: int) -> float:
+    """Median CPU seconds of this process over ``repeats`` calls of ``fn`` after a warm-up (one thread: the work,
+    whatever else the machine runs)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.process_time()
+        fn()
+        times.append(time.process_time() - t0)
+    return statistics.median(times)
+
+
 def monitor_check_cost(repeats: int, run_steps: int = 0) -> Dict[str, Any]:
     """A ``CertificateMonitor`` check on the mini GPT in training against a training step, in the same run.
 
-    A training step is ``zero_grad``, forward, backward, ``monitor.step()``, ``optimizer.step()``.  Each mode runs
-    ``every=2`` after a first (cold) check: a checked step and an unchecked one alternate, and the cost of a check is
-    the median over ``repeats`` pairs of (checked step - unchecked step), in training steps (the unchecked step's
-    median): the hooks' work in the forward and backward included.  Modes: ``"in step"`` (the default: measured in
-    the training step), ``"separate passes"`` (``measure_in_step=False``) and ``"estimate_every=1"``.  Also: a step
-    without a monitor (hooks installed but idle cost nothing measurable), the worst-case certificates alone
+    A training step is ``zero_grad``, forward, backward, ``monitor.step()``, ``optimizer.step()``, timed in CPU
+    seconds of this process (one thread: the work, robust to the other jobs of a shared machine; the wall times are
+    kept too).  Each mode runs ``every=2`` after a first (cold) check: a checked step and an unchecked one alternate,
+    and the cost of a check is the median over ``repeats`` pairs of (checked step - unchecked step), in training
+    steps (the unchecked steps' median): the hooks' work in the forward and backward included.  Modes: ``"in step"``
+    (the default: measured in the training step), ``"separate passes"`` (``measure_in_step=False``) and
+    ``"estimate_every=1"``.  Also: a step without a monitor, the worst-case certificates alone
     (``certificates(cached=False)``, part of every check), and with ``run_steps`` a run of that many steps with
-    ``every=50``: its overhead over ``run_steps`` unchecked steps (the unchecked median)."""
+    ``every=50``: its CPU time over ``run_steps`` unchecked steps (their median), minus 1."""
     from certblocks import CertificateMonitor
     from certblocks.bounds import one_thread
 
@@ -123,52 +136,52 @@ def monitor_check_cost(repeats: int, run_steps: int = 0) -> Dict[str, Any]:
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-    def train_step(mon: Any = None) -> Tuple[float, float]:
-        """``(seconds of the step, of monitor.step() in it)``."""
-        t0 = time.perf_counter()
+    def train_step(mon: Any = None) -> Dict[str, float]:
+        """CPU seconds of the step (``cpu``), of ``monitor.step()`` in it (``check``), and wall seconds (``wall``)."""
+        w0, t0 = time.perf_counter(), time.process_time()
         opt.zero_grad(set_to_none=True)
         model(idx, idx)[1].backward()
-        t1 = time.perf_counter()
+        t1 = time.process_time()
         if mon is not None:
             mon.step()
-        t2 = time.perf_counter()
+        t2 = time.process_time()
         opt.step()
-        return time.perf_counter() - t0, t2 - t1
+        return {"cpu": time.process_time() - t0, "check": t2 - t1, "wall": time.perf_counter() - w0}
 
-    out: Dict[str, Any] = {"plain_step_s": _median_seconds(train_step, repeats)}
+    med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
+    out: Dict[str, Any] = {"plain_step_s": _cpu_median(train_step, repeats)}
     for name, kw in (("in step", {}), ("separate passes", {"measure_in_step": False}),
                      ("estimate_every=1", {"estimate_every": 1})):
         mon = CertificateMonitor(model, "bf16", every=2, **kw)
-        cold = train_step(mon)[1]
+        cold = train_step(mon)["check"]
         train_step(mon)
-        checked, unchecked, checks, extra = [], [], [], []
+        checked, unchecked = [], []
         for _ in range(repeats):
-            c, in_c = train_step(mon)
-            u, _ = train_step(mon)
-            checked.append(c)
-            unchecked.append(u)
-            checks.append(in_c)
-            extra.append(c - u)
+            checked.append(train_step(mon))
+            unchecked.append(train_step(mon))
         in_step = mon.records[-1].get("data/measured_in_step")
         mon.remove()
-        step = statistics.median(unchecked)
-        out[name] = {"cold_check_s": cold, "step_s": step, "checked_step_s": statistics.median(checked),
-                     "check_s": statistics.median(extra), "steps_per_check": statistics.median(extra) / step,
-                     "monitor_step_s": statistics.median(checks), "measured_in_step": in_step}
+        step = med(unchecked, "cpu")
+        extra = statistics.median(c["cpu"] - u["cpu"] for c, u in zip(checked, unchecked))
+        out[name] = {"cold_check_s": cold, "step_s": step, "checked_step_s": med(checked, "cpu"), "check_s": extra,
+                     "steps_per_check": extra / step, "monitor_step_s": med(checked, "check"),
+                     "step_wall_s": med(unchecked, "wall"), "checked_step_wall_s": med(checked, "wall"),
+                     "measured_in_step": in_step}
     ups = CertificateMonitor(model, "bf16", on_data=False).updates
     assert ups is not None
 
     def certs() -> None:
         with one_thread():
             ups.certificates(cached=False)
-    out["certificates_s"] = _median_seconds(certs, max(1, repeats // 2))
+    out["certificates_s"] = _cpu_median(certs, max(1, repeats // 2))
     if run_steps:
         mon = CertificateMonitor(model, "bf16", every=50)
-        times = [train_step(mon)[0] for _ in range(run_steps)]
+        rows = [train_step(mon) for _ in range(run_steps)]
         mon.remove()
-        base = statistics.median(t for k, t in enumerate(times) if k % 50)
-        out["every=50"] = {"steps": run_steps, "checks": len(mon.records), "run_s": sum(times),
-                           "overhead": sum(times) / (run_steps * base) - 1.0}
+        base = statistics.median(r["cpu"] for k, r in enumerate(rows) if k % 50)
+        total = sum(r["cpu"] for r in rows)
+        out["every=50"] = {"steps": run_steps, "checks": len(mon.records), "run_cpu_s": total,
+                           "run_wall_s": sum(r["wall"] for r in rows), "overhead": total / (run_steps * base) - 1.0}
     return out
 
 
@@ -205,8 +218,8 @@ def main(argv: Any = None) -> Dict[str, Any]:
     result: Dict[str, Any] = {"trajectory": rows}
     if args.monitor:
         result["monitor"] = mon = monitor_check_cost(args.repeats, args.run_steps)
-        print(f"monitor on the mini GPT: a training step without a monitor {mon['plain_step_s']:.3f} s; the worst-case "
-              f"certificates alone {mon['certificates_s']:.3f} s", flush=True)
+        print(f"monitor on the mini GPT (CPU seconds): a training step without a monitor {mon['plain_step_s']:.3f} s; "
+              f"the worst-case certificates alone {mon['certificates_s']:.3f} s", flush=True)
         for mode in ("in step", "separate passes", "estimate_every=1"):
             m = mon[mode]
             print(f"  {mode}: unchecked step {m['step_s']:.3f} s, checked {m['checked_step_s']:.3f} s: a check costs "
@@ -214,7 +227,7 @@ def main(argv: Any = None) -> Dict[str, Any]:
                   f"s; cold {m['cold_check_s']:.3f} s; measured in the step: {m['measured_in_step']})", flush=True)
         if "every=50" in mon:
             r = mon["every=50"]
-            print(f"  every=50: {r['steps']} steps, {r['checks']} checks, {r['run_s']:.1f} s: overhead "
+            print(f"  every=50: {r['steps']} steps, {r['checks']} checks, {r['run_cpu_s']:.1f} s: overhead "
                   f"{100 * r['overhead']:.2f}% over unchecked steps", flush=True)
     if args.out:
         with open(args.out, "w") as fh:

@@ -74,6 +74,20 @@ A model without certified blocks is watched on data only: its call is kept by a 
   ``loss.backward()`` delivers ``dL/dv = dt * p_{k+1}`` (``X_{k+1} = X_k + dt v``, ``dt > 0``), which
   has the direction of ``p_{k+1}``.  No extra forward or backward pass is run.  With gradient
   accumulation, the first forward after the previous check is the one measured.
+* **The measured basis in the training step** (``measure_in_step=True``, the default): on a step whose check
+  reads only measured figures (``headroom_basis="measured"``, no Lanczos estimate due), the training step itself
+  measures them: from each update's entry call to its exit's return a recorder
+  (:class:`~certblocks.ondata.watch.StepRecorder`) sees every torch function and keeps the largest ``|entry|`` per
+  dtype of each floating output autograd reaches ``X_k`` from (the tensors and figure of the separate recorded pass,
+  read in the tensor's own dtype; a fused QK-norm runs as its plain composition on that step so that its normalized
+  queries and keys are seen, as there), a tensor hook on ``X_k`` keeps ``p_k = dL/dX_k`` from the user's backward,
+  and the attention's input gives its largest logit.  The check then adds no pass: its cost is the certificates
+  and a little arithmetic (``benchmarks/results/trajectory_cost.md``).  The figures equal the separate passes' up
+  to rounding (``tests/monitor/test_monitor_cost.py``) with two differences: they are the step's own (training-mode
+  dropout active), and ``p_k`` is the whole ``dL/dX_k`` (a use of ``X_k`` outside the chain of updates included).
+  Where the step cannot measure (a state that does not require grad, e.g. a stack fed a raw tensor: no costate at
+  ``X_0``; a forward without grad; no backward before the check; a model read from its graph; a check with the
+  estimates), the check runs the separate passes as before.
 * The saturation ratio is ``<= 1`` whenever the certificate is sound and dropout is inactive (``eval()``
   or ``p = 0``): training-mode dropout rescales ``v`` by ``1 / (1 - p)``, outside the certificate.
 * The attention logit is ``s q_i . k_j`` over the causal pairs (all pairs for bidirectional
@@ -172,7 +186,10 @@ class CertificateMonitor:
         estimate_every: run the Lanczos estimates (records ``data/headroom``, ``data/log_grad_bound``,
             ``<update>/jacobian_norm``) at every this many on-data checks.  ``None`` (default): only where the alerts
             need them (``headroom_basis`` ``"estimate"`` or ``"certified"``, or no backward seen before the
-            check); a check on the measured basis then costs a few forward+backward passes of the checked segments.
+            check).
+        measure_in_step: measure the figures of a check on the measured basis in its training step (module
+            docstring; no pass of the check); ``False``: separate passes (a few forward+backward passes of the checked
+            segments).
 
     Attributes:
         records: one plain dict per check (keys ``step``, ``stack/...`` and ``<update>/<quantity>``).
