@@ -105,6 +105,12 @@ def cases(mini: bool = True) -> List[Tuple[str, torch.nn.Module, Any, Callable[[
     return out
 
 
+#: ``(name, CertificateMonitor keywords)`` of the modes :func:`monitor_check_cost` times.
+MONITOR_MODES: List[Tuple[str, Dict[str, Any]]] = [
+    ("in step", {}), ("in step, no certificate", {"certificate_every": 10**9}),
+    ("separate passes", {"measure_in_step": False}), ("estimate_every=1", {"estimate_every": 1})]
+
+
 def _cpu_median(fn: Callable[[], Any], repeats: int) -> float:
     """Median CPU seconds of this process over ``repeats`` calls of ``fn`` after a warm-up (one thread: the work,
     whatever else the machine runs)."""
@@ -124,8 +130,10 @@ def monitor_check_cost(repeats: int, run_steps: int = 0) -> Dict[str, Any]:
     seconds of this process (one thread: the work, robust to the other jobs of a shared machine; the wall times are
     kept too).  Each mode runs ``every=2`` after a first (cold) check: a checked step and an unchecked one alternate,
     and the cost of a check is the median over ``repeats`` pairs of (checked step - unchecked step), in training
-    steps (the unchecked steps' median): the hooks' work in the forward and backward included.  Modes: ``"in step"``
-    (the default: measured in the training step), ``"separate passes"`` (``measure_in_step=False``) and
+    steps (the unchecked steps' median): the hooks' work in the forward and backward included.  Modes
+    (:data:`MONITOR_MODES`): ``"in step"`` (the default: measured in the training step), ``"in step, no
+    certificate"`` (the checks after the first without the worst-case certificate: ``certificate_every=N`` costs
+    this plus the certificates over ``N``), ``"separate passes"`` (``measure_in_step=False``) and
     ``"estimate_every=1"``.  Also: a step without a monitor, the worst-case certificates alone
     (``certificates(cached=False)``, part of every check), and with ``run_steps`` a run of that many steps with
     ``every=50``: its CPU time over ``run_steps`` unchecked steps (their median), minus 1."""
@@ -150,8 +158,7 @@ def monitor_check_cost(repeats: int, run_steps: int = 0) -> Dict[str, Any]:
 
     med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
     out: Dict[str, Any] = {"plain_step_s": _cpu_median(train_step, repeats)}
-    for name, kw in (("in step", {}), ("separate passes", {"measure_in_step": False}),
-                     ("estimate_every=1", {"estimate_every": 1})):
+    for name, kw in MONITOR_MODES:
         mon = CertificateMonitor(model, "bf16", every=2, **kw)
         cold = train_step(mon)["check"]
         train_step(mon)
@@ -220,7 +227,7 @@ def main(argv: Any = None) -> Dict[str, Any]:
         result["monitor"] = mon = monitor_check_cost(args.repeats, args.run_steps)
         print(f"monitor on the mini GPT (CPU seconds): a training step without a monitor {mon['plain_step_s']:.3f} s; "
               f"the worst-case certificates alone {mon['certificates_s']:.3f} s", flush=True)
-        for mode in ("in step", "separate passes", "estimate_every=1"):
+        for mode, _ in MONITOR_MODES:
             m = mon[mode]
             print(f"  {mode}: unchecked step {m['step_s']:.3f} s, checked {m['checked_step_s']:.3f} s: a check costs "
                   f"{m['check_s']:.3f} s = {m['steps_per_check']:.2f} steps (monitor.step() {m['monitor_step_s']:.3f} "

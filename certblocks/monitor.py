@@ -117,7 +117,7 @@ import torch
 from torch import nn
 
 from ._calls import state_of, velocity_output, without_state
-from ._validation import NonFiniteWeightError, check_bool, check_callable, check_int, check_real
+from ._validation import NonFiniteWeightError, check_bool, check_callable, check_finite, check_int, check_real
 from .blocks.stats import power_norm as _power_step
 from .bounds import one_thread
 from .certificate import BlockCertificate, StackCertificate, certify_stack
@@ -190,6 +190,11 @@ class CertificateMonitor:
         measure_in_step: measure the figures of a check on the measured basis in its training step (module
             docstring; no pass of the check); ``False``: separate passes (a few forward+backward passes of the checked
             segments).
+        certificate_every: compute the worst-case certificate (the coefficients, margins, ``stack/...``, the
+            saturation and the on-data certified figures) at every this many checks (the first included); the other
+            checks record the batch, kappa, operator-norm and on-data measured figures, check the weights finite,
+            and leave the worst-case alerts out.  The certificate is most of a check measured in the step (its
+            float64 norms: ``benchmarks/results/trajectory_cost.md``).
 
     Attributes:
         records: one plain dict per check (keys ``step``, ``stack/...`` and ``<update>/<quantity>``).
@@ -204,7 +209,7 @@ class CertificateMonitor:
                  batch_figures: bool = True, on_data: bool = True, headroom_threshold: Optional[float] = 1.0,
                  horizon: Optional[int] = None, trend_window: int = 5, worst_case_alerts: bool = False,
                  data_steps: int = 4, headroom_basis: str = "measured", estimate_every: Optional[int] = None,
-                 measure_in_step: bool = True) -> None:
+                 measure_in_step: bool = True, certificate_every: int = 1) -> None:
         self.precision = as_precision(dtype)
         self.dtype = self.precision.name
         self.every = check_int("every", every)
@@ -256,6 +261,8 @@ class CertificateMonitor:
         self._recording: Dict[int, Tuple[StepRecorder, List[nn.Module], StepFigures]] = {}
         self._in_step = False
         self.measure_in_step = check_bool("measure_in_step", measure_in_step)
+        self.certificate_every = check_int("certificate_every", certificate_every)
+        self._certified = 0  # checks of the updates so far (the worst-case certificate at every certificate_every-th)
         if self.updates is None:
             assert cm.module is not None
             self._handles.append(cm.module.register_forward_pre_hook(self._model_hook, with_kwargs=True))
@@ -465,10 +472,18 @@ class CertificateMonitor:
                     self._record_data(rec, self._watch.from_batch(self._model.module, *self._batch))
             self.records.append(rec)
             return rec
+        worst_case = self._certified % self.certificate_every == 0
+        self._certified += 1
+        certs: Optional[List[BlockCertificate]] = None
         try:
-            # the updates' stack at the certified r0 and seq_len (the model's envelope is its certificate()'s
-            # business), each certificate computed now from the weights as they are (no cache: FSDP2 writes)
-            certs = ups.certificates(cached=False)
+            if worst_case:
+                # the updates' stack at the certified r0 and seq_len (the model's envelope is its certificate()'s
+                # business), each certificate computed now from the weights as they are (no cache: FSDP2 writes)
+                certs = ups.certificates(cached=False)
+            else:  # no certificate at this check: its weights are still checked finite, as certificates() does
+                for name, m, fixed in zip(ups.names, ups.modules, ups.fixed or [None] * len(ups.modules)):
+                    if fixed is None:
+                        check_finite(m, f"{name}.")
         except NonFiniteWeightError as exc:  # record and alert; the training loop decides what to do
             rec = {"step": self.step_count, "stack/ok": False, "nonfinite": str(exc)}
             self.records.append(rec)
@@ -476,10 +491,12 @@ class CertificateMonitor:
                         "value": math.nan, "threshold": self.threshold,
                         "message": f"step {self.step_count}: {exc}; no certificate for these weights"})
             return rec
-        stack = certify_stack(certs, self.dtype, dt=ups.dt, r0=ups.radius(), lip_g=ups.lip_g)
+        stack = None if certs is None else certify_stack(certs, self.dtype, dt=ups.dt, r0=ups.radius(), lip_g=ups.lip_g)
         rec = {"step": self.step_count}
-        rec.update(self._stack_figures(stack))
-        for k, (name, m, cert) in enumerate(zip(ups.names, ups.modules, certs)):
+        if stack is not None:
+            rec.update(self._stack_figures(stack))
+        for k, (name, m) in enumerate(zip(ups.names, ups.modules)):
+            cert = None if certs is None else certs[k]
             rec.update({f"{name}/{key}": val for key, val in self._update_figures(k, m, cert, stack).items()})
         self.records.append(rec)
         self._alert(rec, stack)
@@ -488,7 +505,7 @@ class CertificateMonitor:
                 self._record_data(rec, self._watch_calls(rec, certs))
         return rec
 
-    def _watch_calls(self, rec: Dict[str, Any], certs: List[BlockCertificate]) -> Any:
+    def _watch_calls(self, rec: Dict[str, Any], certs: Optional[List[BlockCertificate]]) -> Any:
         """The on-data certificate from the velocities' calls captured in the training forward."""
         ups = self.updates
         assert ups is not None and self._watch is not None
@@ -523,26 +540,31 @@ class CertificateMonitor:
                 "stack/depth": stack.depth, "stack/log_grad_bound": total, "stack/log_budget": budget,
                 "stack/radius_out": stack.radii[-1], "stack/margin_grad": 1.0 - total / budget}
 
-    def _update_figures(self, k: int, m: nn.Module, cert: BlockCertificate, stack: StackCertificate
-                        ) -> Dict[str, Any]:
-        M = stack.max_value
-        D = stack.depth
-        budget = math.log(M) - math.log(stack.lip_g)
-        f = stack.log_factors[k]
-        r_out = stack.radii[k + 1]
-        out: Dict[str, Any] = {"q": cert.q, "sigma": cert.sigma, "c": cert.c, "b": cert.b, "l1": cert.l1,
-                               "l0": cert.l0, "radius_in": stack.radii[k], "radius_out": r_out,
-                               "log_factor": f}
-        out["margin_grad"] = 1.0 - f * D / budget if not math.isnan(f) else math.nan
-        m_state = math.log(stack.state_max_value)  # the stream's dtype (a policy's; the dtype itself when pure)
-        out["margin_fwd"] = (1.0 - math.log(max(r_out, 1.0)) / m_state) if not math.isnan(r_out) else math.nan
+    def _update_figures(self, k: int, m: nn.Module, cert: Optional[BlockCertificate],
+                        stack: Optional[StackCertificate]) -> Dict[str, Any]:
+        """Update ``k``'s figures; without a certificate at this check (``certificate_every``) the batch, kappa and
+        operator-norm figures only."""
+        out: Dict[str, Any] = {}
+        if cert is not None and stack is not None:
+            M = stack.max_value
+            D = stack.depth
+            budget = math.log(M) - math.log(stack.lip_g)
+            f = stack.log_factors[k]
+            r_out = stack.radii[k + 1]
+            out.update({"q": cert.q, "sigma": cert.sigma, "c": cert.c, "b": cert.b, "l1": cert.l1, "l0": cert.l0,
+                        "radius_in": stack.radii[k], "radius_out": r_out, "log_factor": f})
+            out["margin_grad"] = 1.0 - f * D / budget if not math.isnan(f) else math.nan
+            m_state = math.log(stack.state_max_value)  # the stream's dtype (a policy's; the dtype itself when pure)
+            out["margin_fwd"] = (1.0 - math.log(max(r_out, 1.0)) / m_state) if not math.isnan(r_out) else math.nan
         cap = self._captures.get(k)
-        if cap is not None and cert.q is not None:
-            bound = cert.c * cap["x_norm"] ** cert.q + cert.b
-            ratio = torch.where(bound > 0, cap["v_norm"] / bound.clamp_min(1e-300),
-                                torch.where(cap["v_norm"] > 0, torch.full_like(bound, math.inf),
-                                            torch.zeros_like(bound)))
-            out["saturation"] = float(ratio.max())
+        if cap is not None and (cert is None or cert.q is not None):
+            out["saturation"] = None
+            if cert is not None:
+                bound = cert.c * cap["x_norm"] ** cert.q + cert.b
+                ratio = torch.where(bound > 0, cap["v_norm"] / bound.clamp_min(1e-300),
+                                    torch.where(cap["v_norm"] > 0, torch.full_like(bound, math.inf),
+                                                torch.zeros_like(bound)))
+                out["saturation"] = float(ratio.max())
             out["state_norm"] = float(cap["x_norm"].max())
             out["velocity_norm"] = float(cap["v_norm"].max())
             g = cap["grad"]
@@ -566,14 +588,16 @@ class CertificateMonitor:
                 out[f"{sub}.opnorm"] = self._opnorm(k, sub, lin.weight)
         return out
 
-    def _alert(self, rec: Dict[str, Any], stack: StackCertificate) -> None:
+    def _alert(self, rec: Dict[str, Any], stack: Optional[StackCertificate]) -> None:
         step = rec["step"]
         assert self.updates is not None  # _check alerts on a stack certificate only with the updates listed
         names = self.updates.names
-        where = f"{self.dtype}, certified depth {stack.certified_depth}/{stack.depth}"
+        where = (f"{self.dtype}, certified depth {stack.certified_depth}/{stack.depth}" if stack is not None
+                 else f"{self.dtype}, no worst-case certificate at this check")
+        wc = self.worst_case_alerts and stack is not None  # certificate_every: no worst-case margin at this check
         # 1. the whole backward budget: name the update with the largest factor
-        val = rec["stack/margin_grad"]
-        if self.worst_case_alerts and (val < self.threshold or math.isnan(val)):
+        val = rec.get("stack/margin_grad", math.nan)
+        if wc and (val < self.threshold or math.isnan(val)):
             factors = [rec[f"{n}/log_factor"] for n in names]
             worst = max(range(len(names)), key=lambda i: math.inf if math.isnan(factors[i]) else factors[i])
             msg = (f"step {step}: update {names[worst]!r}: stack margin_grad = {val:.4g} below threshold "
@@ -583,7 +607,7 @@ class CertificateMonitor:
             self._emit({"step": step, "update": names[worst], "quantity": "stack/margin_grad", "value": val,
                         "threshold": self.threshold, "message": msg})
         # 2. per-update even shares (opt-in: a certified stack may spend its budget unevenly)
-        if self.share_alerts and self.worst_case_alerts:
+        if self.share_alerts and wc:
             for name in names:
                 val = rec[f"{name}/margin_grad"]
                 if val < self.threshold or math.isnan(val):
@@ -592,7 +616,7 @@ class CertificateMonitor:
                     self._emit({"step": step, "update": name, "quantity": "margin_grad", "value": val,
                                 "threshold": self.threshold, "message": msg})
         # 3. the forward radius: it grows with depth, name the first update below the threshold
-        for name in names if self.worst_case_alerts else ():
+        for name in names if wc else ():
             val = rec[f"{name}/margin_fwd"]
             if val < self.threshold or math.isnan(val):
                 msg = (f"step {step}: update {name!r}: margin_fwd = {val:.4g} below threshold {self.threshold:g} "

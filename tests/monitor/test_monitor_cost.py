@@ -227,3 +227,35 @@ def test_step_recorder_matches_float64_recorder() -> None:
     with StepRecorder(xg) as rec:
         f(xg)
     assert rec.peaks()[0] == math.inf == intermediate_peaks(f, xn)[0]
+
+
+def test_certificate_every() -> None:
+    """``certificate_every=2``: the worst-case figures at checks 0 and 2 only; the other checks keep the batch and
+    on-data measured figures (certified ones absent), and a non-finite weight is still alerted there."""
+    st = _stack().train()
+    x = (torch.randn(2, 5, 16) * 2.0).requires_grad_(True)
+    mon = CertificateMonitor(st, "fp32", every=1, certificate_every=2, worst_case_alerts=True, threshold=0.99)
+    for _ in range(3):
+        st.zero_grad()
+        _loss(st(x)).backward()
+        mon.step()
+    with_cert = ["stack/ok" in r for r in mon.records]
+    assert with_cert == [True, False, True]
+    off = mon.records[1]
+    assert "blocks.1/c" not in off and "blocks.1/margin_fwd" not in off and off["blocks.1/saturation"] is None
+    assert off["blocks.1/state_norm"] > 0 and off["blocks.0/kappa"] > 0 and off["data/measured_in_step"] is True
+    assert off["data/headroom_measured"] is not None and off["data/headroom_certified"] is None
+    assert mon.records[0]["data/headroom_certified"] is not None
+    worst = [a["step"] for a in mon.alerts if a["quantity"] in ("stack/margin_grad", "margin_fwd")]
+    assert worst and set(worst) <= {0, 2}  # the worst-case alerts where the certificate was computed
+    with torch.no_grad():
+        st.blocks[2].in_proj.weight[0, 0] = math.nan
+    st.zero_grad()
+    st(x)
+    rec = mon.step()  # check 3: no certificate due, the weights are still checked
+    mon.remove()
+    name = next(n for n, p in st.named_parameters() if not bool(torch.isfinite(p).all()))  # as certificates() names it
+    assert rec is not None and rec["stack/ok"] is False and name in rec["nonfinite"]
+    assert mon.alerts[-1]["quantity"] == "non-finite weights" and mon.alerts[-1]["update"] == name
+    with pytest.raises(ValueError, match="certificate_every"):
+        CertificateMonitor(st, "fp32", certificate_every=0)
