@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -53,7 +53,8 @@ class StepRecorder(_Recorder):
     ``X_k`` from), the same figure (largest ``|entry|``, masked-logit sentinels ``<= finfo.min / 4`` left out), read
     in the tensor's own dtype by one ``aminmax`` (exact: the largest magnitude is the larger of ``|min|`` and
     ``|max|``; a tensor holding a sentinel is masked first) instead of a float64 copy of every intermediate, and
-    without the per-sample maxima the searches read."""
+    without the per-sample maxima the searches read.  On a GPU the sentinel test synchronizes once per recorded
+    tensor (checked steps only)."""
 
     def __init__(self, x: Tensor) -> None:
         super().__init__(x, differentiable=False)
@@ -90,6 +91,11 @@ class StepFigures:
     @property
     def complete(self) -> bool:
         return self.peak is not None and self.costate is not None
+
+
+def _kappa_of(kappas: Dict[int, float], k: int) -> Callable[[], float]:
+    """``Step.kappa`` of update ``k``: the monitor's figure (NaN where it has none)."""
+    return lambda: kappas.get(k, math.nan)
 
 
 def _not_evaluated(x: Tensor) -> Tensor:
@@ -182,8 +188,7 @@ class OnDataWatch:
             x = c.x.detach()
             cert = None if certs is None else certs[k]
             st = Step(c.name, "update", x, _not_evaluated, token_norm_max(x + dt * c.out.detach().to(x.dtype)), dt=dt,
-                      cert=cert, kappa=(lambda k=k: kappas.get(k, math.nan)) if f.attention else None,
-                      key=c.name)
+                      cert=cert, kappa=_kappa_of(kappas, k) if f.attention else None, key=c.name)
             u = _update(st, x, c.out, (f.peak, f.max_logit, f.peaks), self.steps, self.tol, 0, None, False, None)
             u.costate_norm = _per_sample_max(f.costate)
             ups.append(u)
