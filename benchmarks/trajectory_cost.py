@@ -6,12 +6,14 @@ overhead), a ``CertifiedStack`` of 8 updates with a loss, and a Hugging Face GPT
 (``torch.export`` included) with its labels.  For each, the median time of a plain forward+backward, and the
 median time of a cold ``trajectory`` (no warm start) per setting; the ratio is the cost in passes.  Settings:
 the default, ``certified=False``, ``steps=4`` and ``jacobians=False, certified=False`` (measured figures only).
-``--monitor``: the time of one ``CertificateMonitor`` check on the mini GPT in training against a training step,
-on the measured basis (the default: no Lanczos) and with ``estimate_every=1``.
+``--monitor``: the cost of one ``CertificateMonitor`` check on the mini GPT in training against a training step
+(:func:`monitor_check_cost`): measured in the training step (the default on the measured basis), by separate
+passes (``measure_in_step=False``) and with ``estimate_every=1``; ``--run-steps N``: a run with ``every=50``.
 
 Usage::
 
-    python benchmarks/trajectory_cost.py [--repeats 5] [--threads 1] [--monitor] [--out FILE]
+    python benchmarks/trajectory_cost.py [--repeats 5] [--threads 1] [--monitor [--monitor-only] [--run-steps N]]
+        [--out FILE]
 """
 
 from __future__ import annotations
@@ -103,33 +105,90 @@ def cases(mini: bool = True) -> List[Tuple[str, torch.nn.Module, Any, Callable[[
     return out
 
 
-def monitor_check_cost(repeats: int) -> Dict[str, Any]:
-    """Seconds of a training step of the mini GPT, and of a monitor check on it (measured basis, then with the
-    Lanczos estimates at every check): medians over ``repeats`` checks after a first (cold) one."""
+#: ``(name, CertificateMonitor keywords)`` of the modes :func:`monitor_check_cost` times.
+MONITOR_MODES: List[Tuple[str, Dict[str, Any]]] = [
+    ("in step", {}), ("in step, no certificate", {"certificate_every": 10**9}),
+    ("separate passes", {"measure_in_step": False}), ("estimate_every=1", {"estimate_every": 1})]
+
+
+def _cpu_median(fn: Callable[[], Any], repeats: int) -> float:
+    """Median CPU seconds of this process over ``repeats`` calls of ``fn`` after a warm-up (one thread: the work,
+    whatever else the machine runs)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.process_time()
+        fn()
+        times.append(time.process_time() - t0)
+    return statistics.median(times)
+
+
+def monitor_check_cost(repeats: int, run_steps: int = 0) -> Dict[str, Any]:
+    """A ``CertificateMonitor`` check on the mini GPT in training against a training step, in the same run.
+
+    A training step is ``zero_grad``, forward, backward, ``monitor.step()``, ``optimizer.step()``, timed in CPU
+    seconds of this process (one thread: the work, robust to the other jobs of a shared machine; the wall times are
+    kept too).  Each mode runs ``every=2`` after a first (cold) check: a checked step and an unchecked one alternate,
+    and the cost of a check is the median over ``repeats`` pairs of (checked step - unchecked step), in training
+    steps (the unchecked steps' median): the hooks' work in the forward and backward included.  Modes
+    (:data:`MONITOR_MODES`): ``"in step"`` (the default: measured in the training step), ``"in step, no
+    certificate"`` (the checks after the first without the worst-case certificate: ``certificate_every=N`` costs
+    this plus the certificates over ``N``), ``"separate passes"`` (``measure_in_step=False``) and
+    ``"estimate_every=1"``.  Also: a step without a monitor, the worst-case certificates alone
+    (``certificates(cached=False)``, part of every check), and with ``run_steps`` a run of that many steps with
+    ``every=50``: its CPU time over ``run_steps`` unchecked steps (their median), minus 1."""
     from certblocks import CertificateMonitor
+    from certblocks.bounds import one_thread
 
     model, idx = _mini()
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-    def train_step() -> None:
+    def train_step(mon: Any = None) -> Dict[str, float]:
+        """CPU seconds of the step (``cpu``), of ``monitor.step()`` in it (``check``), and wall seconds (``wall``)."""
+        w0, t0 = time.perf_counter(), time.process_time()
         opt.zero_grad(set_to_none=True)
         model(idx, idx)[1].backward()
-        opt.step()
-    out: Dict[str, Any] = {"train_step_s": _median_seconds(train_step, repeats)}
-    for name, kw in (("measured", {}), ("estimate_every=1", {"estimate_every": 1})):
-        mon = CertificateMonitor(model, "bf16", every=1, **kw)
-        times = []
-        for _ in range(repeats + 1):
-            opt.zero_grad(set_to_none=True)
-            model(idx, idx)[1].backward()
-            t0 = time.perf_counter()
+        t1 = time.process_time()
+        if mon is not None:
             mon.step()
-            times.append(time.perf_counter() - t0)
-            opt.step()
+        t2 = time.process_time()
+        opt.step()
+        return {"cpu": time.process_time() - t0, "check": t2 - t1, "wall": time.perf_counter() - w0}
+
+    med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
+    out: Dict[str, Any] = {"plain_step_s": _cpu_median(train_step, repeats)}
+    for name, kw in MONITOR_MODES:
+        mon = CertificateMonitor(model, "bf16", every=2, **kw)
+        cold = train_step(mon)["check"]
+        train_step(mon)
+        checked, unchecked = [], []
+        for _ in range(repeats):
+            checked.append(train_step(mon))
+            unchecked.append(train_step(mon))
+        in_step = mon.records[-1].get("data/measured_in_step")
         mon.remove()
-        out[name] = {"cold_s": times[0], "check_s": statistics.median(times[1:]),
-                     "steps_per_check": statistics.median(times[1:]) / out["train_step_s"]}
+        step = med(unchecked, "cpu")
+        extra = statistics.median(c["cpu"] - u["cpu"] for c, u in zip(checked, unchecked))
+        out[name] = {"cold_check_s": cold, "step_s": step, "checked_step_s": med(checked, "cpu"), "check_s": extra,
+                     "steps_per_check": extra / step, "monitor_step_s": med(checked, "check"),
+                     "step_wall_s": med(unchecked, "wall"), "checked_step_wall_s": med(checked, "wall"),
+                     "measured_in_step": in_step}
+    ups = CertificateMonitor(model, "bf16", on_data=False).updates
+    assert ups is not None
+
+    def certs() -> None:
+        with one_thread():
+            ups.certificates(cached=False)
+    out["certificates_s"] = _cpu_median(certs, max(1, repeats // 2))
+    if run_steps:
+        mon = CertificateMonitor(model, "bf16", every=50)
+        rows = [train_step(mon) for _ in range(run_steps)]
+        mon.remove()
+        base = statistics.median(r["cpu"] for k, r in enumerate(rows) if k % 50)
+        total = sum(r["cpu"] for r in rows)
+        out["every=50"] = {"steps": run_steps, "checks": len(mon.records), "run_cpu_s": total,
+                           "run_wall_s": sum(r["wall"] for r in rows), "overhead": total / (run_steps * base) - 1.0}
     return out
 
 
@@ -139,6 +198,8 @@ def main(argv: Any = None) -> Dict[str, Any]:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--settings", nargs="*", default=list(SETTINGS), choices=list(SETTINGS))
     p.add_argument("--monitor", action="store_true", help="also time a monitor check on the mini GPT")
+    p.add_argument("--run-steps", type=int, default=0, help="with --monitor: a run of this many steps, every=50")
+    p.add_argument("--monitor-only", action="store_true", help="with --monitor: no trajectory() table")
     p.add_argument("--no-mini", action="store_true", help="leave the mini GPT out (the small models only)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -147,7 +208,7 @@ def main(argv: Any = None) -> Dict[str, Any]:
 
     rows = []
     warnings.simplefilter("ignore")
-    for name, model, batch, fb, kw in cases(mini=not args.no_mini):
+    for name, model, batch, fb, kw in ([] if args.monitor_only else cases(mini=not args.no_mini)):
         base = _median_seconds(fb, args.repeats)
         row: Dict[str, Any] = {"model": name, "forward_backward_s": base}
         for setting in args.settings:
@@ -163,11 +224,18 @@ def main(argv: Any = None) -> Dict[str, Any]:
         print(f"{name}: forward+backward {1e3 * base:.1f} ms; passes: {cells}", flush=True)
     result: Dict[str, Any] = {"trajectory": rows}
     if args.monitor:
-        result["monitor"] = mon = monitor_check_cost(args.repeats)
-        print(f"monitor on the mini GPT: training step {mon['train_step_s']:.3f} s; a check on the measured basis "
-              f"{mon['measured']['check_s']:.3f} s ({mon['measured']['steps_per_check']:.2f} steps), with the "
-              f"estimates {mon['estimate_every=1']['check_s']:.3f} s "
-              f"({mon['estimate_every=1']['steps_per_check']:.2f} steps)", flush=True)
+        result["monitor"] = mon = monitor_check_cost(args.repeats, args.run_steps)
+        print(f"monitor on the mini GPT (CPU seconds): a training step without a monitor {mon['plain_step_s']:.3f} s; "
+              f"the worst-case certificates alone {mon['certificates_s']:.3f} s", flush=True)
+        for mode, _ in MONITOR_MODES:
+            m = mon[mode]
+            print(f"  {mode}: unchecked step {m['step_s']:.3f} s, checked {m['checked_step_s']:.3f} s: a check costs "
+                  f"{m['check_s']:.3f} s = {m['steps_per_check']:.2f} steps (monitor.step() {m['monitor_step_s']:.3f} "
+                  f"s; cold {m['cold_check_s']:.3f} s; measured in the step: {m['measured_in_step']})", flush=True)
+        if "every=50" in mon:
+            r = mon["every=50"]
+            print(f"  every=50: {r['steps']} steps, {r['checks']} checks, {r['run_cpu_s']:.1f} s: overhead "
+                  f"{100 * r['overhead']:.2f}% over unchecked steps", flush=True)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=1)

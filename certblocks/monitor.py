@@ -74,6 +74,20 @@ A model without certified blocks is watched on data only: its call is kept by a 
   ``loss.backward()`` delivers ``dL/dv = dt * p_{k+1}`` (``X_{k+1} = X_k + dt v``, ``dt > 0``), which
   has the direction of ``p_{k+1}``.  No extra forward or backward pass is run.  With gradient
   accumulation, the first forward after the previous check is the one measured.
+* **The measured basis in the training step** (``measure_in_step=True``, the default): on a step whose check
+  reads only measured figures (``headroom_basis="measured"``, no Lanczos estimate due), the training step itself
+  measures them: from each update's entry call to its exit's return a recorder
+  (:class:`~certblocks.ondata.watch.StepRecorder`) sees every torch function and keeps the largest ``|entry|`` per
+  dtype of each floating output autograd reaches ``X_k`` from (the tensors and figure of the separate recorded pass,
+  read in the tensor's own dtype; a fused QK-norm runs as its plain composition on that step so that its normalized
+  queries and keys are seen, as there), a tensor hook on ``X_k`` keeps ``p_k = dL/dX_k`` from the user's backward,
+  and the attention's input gives its largest logit.  The check then adds no pass: its cost is the certificates
+  and a little arithmetic (``benchmarks/results/trajectory_cost.md``).  The figures equal the separate passes' up
+  to rounding (``tests/monitor/test_monitor_cost.py``) with two differences: they are the step's own (training-mode
+  dropout active), and ``p_k`` is the whole ``dL/dX_k`` (a use of ``X_k`` outside the chain of updates included).
+  Where the step cannot measure (a state that does not require grad, e.g. a stack fed a raw tensor: no costate at
+  ``X_0``; a forward without grad; no backward before the check; a model read from its graph; a check with the
+  estimates), the check runs the separate passes as before.
 * The saturation ratio is ``<= 1`` whenever the certificate is sound and dropout is inactive (``eval()``
   or ``p = 0``): training-mode dropout rescales ``v`` by ``1 / (1 - p)``, outside the certificate.
 * The attention logit is ``s q_i . k_j`` over the causal pairs (all pairs for bidirectional
@@ -103,14 +117,14 @@ import torch
 from torch import nn
 
 from ._calls import state_of, velocity_output, without_state
-from ._validation import NonFiniteWeightError, check_bool, check_callable, check_int, check_real
+from ._validation import NonFiniteWeightError, check_bool, check_callable, check_finite, check_int, check_real
 from .blocks.stats import power_norm as _power_step
 from .bounds import one_thread
 from .certificate import BlockCertificate, StackCertificate, certify_stack
 from .envelope import CertificateWarning, envelope_paused
-from .model import CertifiedModel, as_certified
+from .model import CertifiedModel, as_certified, attention_module
 from .ondata.sources import Call
-from .ondata.watch import OnDataWatch, autocast_state, batch_of
+from .ondata.watch import OnDataWatch, StepFigures, StepRecorder, autocast_state, batch_of
 from .precision import as_precision
 from .updates import ResidualUpdates, residual_updates
 
@@ -172,7 +186,15 @@ class CertificateMonitor:
         estimate_every: run the Lanczos estimates (records ``data/headroom``, ``data/log_grad_bound``,
             ``<update>/jacobian_norm``) at every this many on-data checks.  ``None`` (default): only where the alerts
             need them (``headroom_basis`` ``"estimate"`` or ``"certified"``, or no backward seen before the
-            check); a check on the measured basis then costs a few forward+backward passes of the checked segments.
+            check).
+        measure_in_step: measure the figures of a check on the measured basis in its training step (module
+            docstring; no pass of the check); ``False``: separate passes (a few forward+backward passes of the checked
+            segments).
+        certificate_every: compute the worst-case certificate (the coefficients, margins, ``stack/...``, the
+            saturation and the on-data certified figures) at every this many checks (the first included); the other
+            checks record the batch, kappa, operator-norm and on-data measured figures, check the weights finite,
+            and leave the worst-case alerts out.  The certificate is most of a check measured in the step (its
+            float64 norms: ``benchmarks/results/trajectory_cost.md``).
 
     Attributes:
         records: one plain dict per check (keys ``step``, ``stack/...`` and ``<update>/<quantity>``).
@@ -186,7 +208,8 @@ class CertificateMonitor:
                  power_iters: int = 4, power_iters_init: int = 50, logit_samples: int = 8,
                  batch_figures: bool = True, on_data: bool = True, headroom_threshold: Optional[float] = 1.0,
                  horizon: Optional[int] = None, trend_window: int = 5, worst_case_alerts: bool = False,
-                 data_steps: int = 4, headroom_basis: str = "measured", estimate_every: Optional[int] = None) -> None:
+                 data_steps: int = 4, headroom_basis: str = "measured", estimate_every: Optional[int] = None,
+                 measure_in_step: bool = True, certificate_every: int = 1) -> None:
         self.precision = as_precision(dtype)
         self.dtype = self.precision.name
         self.every = check_int("every", every)
@@ -233,19 +256,103 @@ class CertificateMonitor:
         self._batch: Optional[Any] = None
         self._qk_normed: Dict[int, bool] = {}
         self._warm: Dict[int, Dict[str, torch.Tensor]] = {}
+        # measured in the training step (the measured basis): per update its figures, the recorders running now
+        self._step_figs: Dict[int, StepFigures] = {}
+        self._recording: Dict[int, Tuple[StepRecorder, List[nn.Module], StepFigures]] = {}
+        self._in_step = False
+        self.measure_in_step = check_bool("measure_in_step", measure_in_step)
+        self.certificate_every = check_int("certificate_every", certificate_every)
+        self._certified = 0  # checks of the updates so far (the worst-case certificate at every certificate_every-th)
         if self.updates is None:
             assert cm.module is not None
             self._handles.append(cm.module.register_forward_pre_hook(self._model_hook, with_kwargs=True))
         elif batch_figures:
             for k in range(len(cm.modules)):
                 entry, exit_ = cm.io(k)
+                if self._watch is not None and measure_in_step:  # before the hooks below: they run outside it
+                    self._handles += self._step_hooks(k, entry, exit_)
                 if entry is not exit_:  # a view outside the model's forward: its entry sees X_k, its exit v(X_k)
                     self._handles.append(entry.register_forward_hook(self._make_input_hook(k), with_kwargs=True))
                     self._handles.append(exit_.register_forward_hook(self._make_hook(k, entry), with_kwargs=True))
                 else:
                     self._handles.append(entry.register_forward_hook(self._make_hook(k), with_kwargs=True))
 
+        self._arm()
+
     # -- hooks ----------------------------------------------------------------------------------------------
+    def _arm(self) -> None:
+        """Arm the hooks for the next step when it is checked (``_armed``), and the measurement in the training
+        step when that check reads the measured basis only (``_in_step``)."""
+        self._armed = self.step_count % self.every == 0
+        self._in_step = (self._armed and self.measure_in_step and self._watch is not None
+                         and self.updates is not None and self._watch.measured_next())
+
+    def _step_hooks(self, k: int, entry: nn.Module, exit_: nn.Module) -> List[Any]:
+        """The hooks that measure update ``k`` in the training step of a check on the measured basis: from the
+        entry's call to the exit's return a :class:`StepRecorder` sees every torch function (the largest
+        intermediate per dtype, as the separate recorded pass; a fused QK-norm runs as its plain composition, as
+        there), a tensor hook on ``X_k`` keeps the costate ``p_k`` of the user's backward, and the attention's input
+        gives its largest logit."""
+        assert self.updates is not None
+        update = self.updates.modules[k]
+        attn = attention_module(update)
+
+        def start(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not self._in_step or k in self._step_figs or k in self._recording or not torch.is_grad_enabled():
+                return
+            found = state_of(module, args, kwargs)
+            if found is None or not found[0].requires_grad:  # no graph from X_k: the separate passes measure
+                return
+            x, fig = found[0], StepFigures()
+            fig.attention = attn is not None
+
+            def keep(g: torch.Tensor) -> None:  # dL/dX_k, every use of X_k summed: the costate p_k
+                if fig.costate is None:
+                    fig.costate = g.detach()
+            x.register_hook(keep)
+            fused = [m for m in update.modules() if getattr(m, "fused_qk_norm", None) is True]
+            for m in fused:
+                setattr(m, "fused_qk_norm", False)  # noqa: B010 - an attribute of some modules only
+            rec = StepRecorder(x)
+            rec.__enter__()
+            self._recording[k] = (rec, fused, fig)
+
+        def seen(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if k in self._recording and self._recording[k][2].logit_input is None:
+                found = state_of(module, args, kwargs)
+                self._recording[k][2].logit_input = None if found is None else found[0]
+
+        def stop(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if k not in self._recording:
+                return
+            rec, fused, fig = self._stop(k)
+            fig.peak, fig.peaks = rec.peaks()
+            if attn is not None and fig.logit_input is not None:
+                with envelope_paused():
+                    stats = attn.attention_stats(fig.logit_input, samples=self.logit_samples,  # type: ignore[operator]  # an attention
+                                                 kappa=False)
+                fig.max_logit = stats.get("max_logit")
+            self._step_figs[k] = fig
+
+        handles = [entry.register_forward_pre_hook(start, with_kwargs=True)]
+        if attn is not None:
+            handles.append(attn.register_forward_pre_hook(seen, with_kwargs=True))
+        handles.append(exit_.register_forward_hook(stop, with_kwargs=True))
+        return handles
+
+    def _stop(self, k: int) -> Tuple[StepRecorder, List[nn.Module], StepFigures]:
+        """End update ``k``'s recording (its recorder leaves the mode stack, a fused QK-norm is fused again)."""
+        rec, fused, fig = self._recording.pop(k)
+        rec.__exit__(None, None, None)
+        for m in fused:
+            setattr(m, "fused_qk_norm", True)  # noqa: B010 - an attribute of some modules only
+        return rec, fused, fig
+
+    def _drop_recordings(self) -> None:
+        """End the recordings a forward left running (it raised between an update's entry and exit)."""
+        for k in sorted(self._recording, reverse=True):
+            self._stop(k)
+
     @staticmethod
     def _call_of(module: nn.Module, args: tuple, kwargs: dict) -> Optional[Tuple[torch.Tensor, tuple, dict, Any]]:
         """``(X_k, other args, other kwargs, where X_k was passed)`` of a velocity's call (:func:`state_of`)."""
@@ -283,7 +390,10 @@ class CertificateMonitor:
                     if cap["grad"] is None:
                         cap["grad"] = g.detach()
                 y.register_hook(grad_hook)
-            if callable(getattr(module, "attention_stats", None)):  # the update is an attention: X_k is its input
+            fig = self._step_figs.get(k)
+            if fig is not None and fig.logit_input is x:  # measured in the step already, on the same input
+                cap["max_logit"] = fig.max_logit
+            elif callable(getattr(module, "attention_stats", None)):  # the update is an attention: X_k is its input
                 with envelope_paused():
                     stats = module.attention_stats(x, samples=self.logit_samples, kappa=False)  # type: ignore[operator]  # checked callable above
                 cap["max_logit"] = stats.get("max_logit")
@@ -335,6 +445,7 @@ class CertificateMonitor:
         the batch).  Returns the record on a checked step, else ``None``.
         """
         record = None
+        self._drop_recordings()  # a forward that raised inside an update left its recorder running
         if self.step_count % self.every == 0:
             self._stacklevel = 6
             try:
@@ -342,8 +453,8 @@ class CertificateMonitor:
             finally:
                 self._stacklevel = 5
         self.step_count += 1
-        self._captures, self._batch = {}, None
-        self._armed = self.step_count % self.every == 0
+        self._captures, self._batch, self._step_figs = {}, None, {}
+        self._arm()
         return record
 
     def check(self) -> Dict[str, Any]:
@@ -361,10 +472,18 @@ class CertificateMonitor:
                     self._record_data(rec, self._watch.from_batch(self._model.module, *self._batch))
             self.records.append(rec)
             return rec
+        worst_case = self._certified % self.certificate_every == 0
+        self._certified += 1
+        certs: Optional[List[BlockCertificate]] = None
         try:
-            # the updates' stack at the certified r0 and seq_len (the model's envelope is its certificate()'s
-            # business), each certificate computed now from the weights as they are (no cache: FSDP2 writes)
-            certs = ups.certificates(cached=False)
+            if worst_case:
+                # the updates' stack at the certified r0 and seq_len (the model's envelope is its certificate()'s
+                # business), each certificate computed now from the weights as they are (no cache: FSDP2 writes)
+                certs = ups.certificates(cached=False)
+            else:  # no certificate at this check: its weights are still checked finite, as certificates() does
+                for name, m, fixed in zip(ups.names, ups.modules, ups.fixed or [None] * len(ups.modules)):
+                    if fixed is None:
+                        check_finite(m, f"{name}.")
         except NonFiniteWeightError as exc:  # record and alert; the training loop decides what to do
             rec = {"step": self.step_count, "stack/ok": False, "nonfinite": str(exc)}
             self.records.append(rec)
@@ -372,10 +491,12 @@ class CertificateMonitor:
                         "value": math.nan, "threshold": self.threshold,
                         "message": f"step {self.step_count}: {exc}; no certificate for these weights"})
             return rec
-        stack = certify_stack(certs, self.dtype, dt=ups.dt, r0=ups.radius(), lip_g=ups.lip_g)
+        stack = None if certs is None else certify_stack(certs, self.dtype, dt=ups.dt, r0=ups.radius(), lip_g=ups.lip_g)
         rec = {"step": self.step_count}
-        rec.update(self._stack_figures(stack))
-        for k, (name, m, cert) in enumerate(zip(ups.names, ups.modules, certs)):
+        if stack is not None:
+            rec.update(self._stack_figures(stack))
+        for k, (name, m) in enumerate(zip(ups.names, ups.modules)):
+            cert = None if certs is None else certs[k]
             rec.update({f"{name}/{key}": val for key, val in self._update_figures(k, m, cert, stack).items()})
         self.records.append(rec)
         self._alert(rec, stack)
@@ -384,7 +505,7 @@ class CertificateMonitor:
                 self._record_data(rec, self._watch_calls(rec, certs))
         return rec
 
-    def _watch_calls(self, rec: Dict[str, Any], certs: List[BlockCertificate]) -> Any:
+    def _watch_calls(self, rec: Dict[str, Any], certs: Optional[List[BlockCertificate]]) -> Any:
         """The on-data certificate from the velocities' calls captured in the training forward."""
         ups = self.updates
         assert ups is not None and self._watch is not None
@@ -394,9 +515,15 @@ class CertificateMonitor:
                  for k, (n, m, c) in enumerate(zip(ups.names, ups.modules, caps))]
         grad = caps[-1]["grad"]
         kappas = {k: rec[f"{n}/kappa"] for k, n in enumerate(ups.names) if rec.get(f"{n}/kappa") is not None}
+        figs = [self._step_figs.get(k) for k in range(len(calls))]
+        model = type(self._model.module).__name__
+        rec["data/measured_in_step"] = in_step = (grad is not None and self._watch.measured_next()
+                                                  and all(f is not None and f.complete for f in figs))
+        if in_step:  # the training step measured everything the measured basis reads: no pass here
+            return self._watch.from_measured(calls, figs, dt=ups.dt, certs=certs, p_d=grad / ups.dt,  # type: ignore[arg-type]  # complete: none is None
+                                             kappas=kappas, model=model)
         return self._watch.from_calls(calls, dt=ups.dt, certs=certs, p_d=None if grad is None else grad / ups.dt,
-                                      lip_g=ups.lip_g, kappas=kappas, state=caps[0]["autocast"],
-                                      model=type(self._model.module).__name__)
+                                      lip_g=ups.lip_g, kappas=kappas, state=caps[0]["autocast"], model=model)
 
     def _record_data(self, rec: Dict[str, Any], report: Any) -> None:
         """The on-data figures into ``rec``, and their alerts."""
@@ -413,26 +540,31 @@ class CertificateMonitor:
                 "stack/depth": stack.depth, "stack/log_grad_bound": total, "stack/log_budget": budget,
                 "stack/radius_out": stack.radii[-1], "stack/margin_grad": 1.0 - total / budget}
 
-    def _update_figures(self, k: int, m: nn.Module, cert: BlockCertificate, stack: StackCertificate
-                        ) -> Dict[str, Any]:
-        M = stack.max_value
-        D = stack.depth
-        budget = math.log(M) - math.log(stack.lip_g)
-        f = stack.log_factors[k]
-        r_out = stack.radii[k + 1]
-        out: Dict[str, Any] = {"q": cert.q, "sigma": cert.sigma, "c": cert.c, "b": cert.b, "l1": cert.l1,
-                               "l0": cert.l0, "radius_in": stack.radii[k], "radius_out": r_out,
-                               "log_factor": f}
-        out["margin_grad"] = 1.0 - f * D / budget if not math.isnan(f) else math.nan
-        m_state = math.log(stack.state_max_value)  # the stream's dtype (a policy's; the dtype itself when pure)
-        out["margin_fwd"] = (1.0 - math.log(max(r_out, 1.0)) / m_state) if not math.isnan(r_out) else math.nan
+    def _update_figures(self, k: int, m: nn.Module, cert: Optional[BlockCertificate],
+                        stack: Optional[StackCertificate]) -> Dict[str, Any]:
+        """Update ``k``'s figures; without a certificate at this check (``certificate_every``) the batch, kappa and
+        operator-norm figures only."""
+        out: Dict[str, Any] = {}
+        if cert is not None and stack is not None:
+            M = stack.max_value
+            D = stack.depth
+            budget = math.log(M) - math.log(stack.lip_g)
+            f = stack.log_factors[k]
+            r_out = stack.radii[k + 1]
+            out.update({"q": cert.q, "sigma": cert.sigma, "c": cert.c, "b": cert.b, "l1": cert.l1, "l0": cert.l0,
+                        "radius_in": stack.radii[k], "radius_out": r_out, "log_factor": f})
+            out["margin_grad"] = 1.0 - f * D / budget if not math.isnan(f) else math.nan
+            m_state = math.log(stack.state_max_value)  # the stream's dtype (a policy's; the dtype itself when pure)
+            out["margin_fwd"] = (1.0 - math.log(max(r_out, 1.0)) / m_state) if not math.isnan(r_out) else math.nan
         cap = self._captures.get(k)
-        if cap is not None and cert.q is not None:
-            bound = cert.c * cap["x_norm"] ** cert.q + cert.b
-            ratio = torch.where(bound > 0, cap["v_norm"] / bound.clamp_min(1e-300),
-                                torch.where(cap["v_norm"] > 0, torch.full_like(bound, math.inf),
-                                            torch.zeros_like(bound)))
-            out["saturation"] = float(ratio.max())
+        if cap is not None and (cert is None or cert.q is not None):
+            out["saturation"] = None
+            if cert is not None:
+                bound = cert.c * cap["x_norm"] ** cert.q + cert.b
+                ratio = torch.where(bound > 0, cap["v_norm"] / bound.clamp_min(1e-300),
+                                    torch.where(cap["v_norm"] > 0, torch.full_like(bound, math.inf),
+                                                torch.zeros_like(bound)))
+                out["saturation"] = float(ratio.max())
             out["state_norm"] = float(cap["x_norm"].max())
             out["velocity_norm"] = float(cap["v_norm"].max())
             g = cap["grad"]
@@ -456,14 +588,16 @@ class CertificateMonitor:
                 out[f"{sub}.opnorm"] = self._opnorm(k, sub, lin.weight)
         return out
 
-    def _alert(self, rec: Dict[str, Any], stack: StackCertificate) -> None:
+    def _alert(self, rec: Dict[str, Any], stack: Optional[StackCertificate]) -> None:
         step = rec["step"]
         assert self.updates is not None  # _check alerts on a stack certificate only with the updates listed
         names = self.updates.names
-        where = f"{self.dtype}, certified depth {stack.certified_depth}/{stack.depth}"
+        where = (f"{self.dtype}, certified depth {stack.certified_depth}/{stack.depth}" if stack is not None
+                 else f"{self.dtype}, no worst-case certificate at this check")
+        wc = self.worst_case_alerts and stack is not None  # certificate_every: no worst-case margin at this check
         # 1. the whole backward budget: name the update with the largest factor
-        val = rec["stack/margin_grad"]
-        if self.worst_case_alerts and (val < self.threshold or math.isnan(val)):
+        val = rec.get("stack/margin_grad", math.nan)
+        if wc and (val < self.threshold or math.isnan(val)):
             factors = [rec[f"{n}/log_factor"] for n in names]
             worst = max(range(len(names)), key=lambda i: math.inf if math.isnan(factors[i]) else factors[i])
             msg = (f"step {step}: update {names[worst]!r}: stack margin_grad = {val:.4g} below threshold "
@@ -473,7 +607,7 @@ class CertificateMonitor:
             self._emit({"step": step, "update": names[worst], "quantity": "stack/margin_grad", "value": val,
                         "threshold": self.threshold, "message": msg})
         # 2. per-update even shares (opt-in: a certified stack may spend its budget unevenly)
-        if self.share_alerts and self.worst_case_alerts:
+        if self.share_alerts and wc:
             for name in names:
                 val = rec[f"{name}/margin_grad"]
                 if val < self.threshold or math.isnan(val):
@@ -482,7 +616,7 @@ class CertificateMonitor:
                     self._emit({"step": step, "update": name, "quantity": "margin_grad", "value": val,
                                 "threshold": self.threshold, "message": msg})
         # 3. the forward radius: it grows with depth, name the first update below the threshold
-        for name in names if self.worst_case_alerts else ():
+        for name in names if wc else ():
             val = rec[f"{name}/margin_fwd"]
             if val < self.threshold or math.isnan(val):
                 msg = (f"step {step}: update {name!r}: margin_fwd = {val:.4g} below threshold {self.threshold:g} "
@@ -529,6 +663,7 @@ class CertificateMonitor:
 
     def remove(self) -> None:
         """Remove the forward hooks (the records stay)."""
+        self._drop_recordings()
         for h in self._handles:
             h.remove()
         self._handles = []

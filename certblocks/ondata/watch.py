@@ -6,17 +6,19 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from .._validation import check_choice, check_int
-from .api import eval_mode, evaluate, trajectory_of_call
-from .report import BASES, TrajectoryReport
-from .sources import Call, Head, Source, calls_steps, token_norm_max
+from ..budget import float_max
+from ..testing.record import _peaks_of, _Recorder
+from .api import _head, _per_sample_max, _update, eval_mode, evaluate, trajectory_of_call
+from .report import BASES, TrajectoryReport, UpdateTrajectory
+from .sources import Call, Head, Peaks, Source, Step, calls_steps, named_peaks, token_norm_max, tokens_of
 
-__all__ = ["OnDataWatch", "autocast_state", "restored_autocast", "batch_of"]
+__all__ = ["OnDataWatch", "StepRecorder", "StepFigures", "autocast_state", "restored_autocast", "batch_of"]
 
 AutocastState = Optional[Tuple[str, torch.dtype]]
 
@@ -43,6 +45,61 @@ def restored_autocast(state: AutocastState) -> Iterator[None]:
 
 def _num(x: Any) -> Any:
     return None if x is None else float(x)
+
+
+class StepRecorder(_Recorder):
+    """The intermediate recorder of :mod:`certblocks.testing.record` run inside the training forward of a checked
+    step, on one update's call: the same tensors (every floating output of a torch function that autograd reaches
+    ``X_k`` from), the same figure (largest ``|entry|``, masked-logit sentinels ``<= finfo.min / 4`` left out), read
+    in the tensor's own dtype by one ``aminmax`` (exact: the largest magnitude is the larger of ``|min|`` and
+    ``|max|``; a tensor holding a sentinel is masked first) instead of a float64 copy of every intermediate, and
+    without the per-sample maxima the searches read.  On a GPU the sentinel test synchronizes once per recorded
+    tensor (checked steps only)."""
+
+    def __init__(self, x: Tensor) -> None:
+        super().__init__(x, differentiable=False)
+
+    def _add(self, t: Tensor) -> None:
+        lo, hi = torch.aminmax(t)
+        if bool(lo > torch.finfo(t.dtype).min / 4):  # no sentinel (NaN compares False: the masked path keeps it)
+            top = torch.maximum(lo.abs(), hi.abs())
+        else:
+            top = t.masked_fill(t <= torch.finfo(t.dtype).min / 4, 0.0).abs().amax()
+        self.values.append(top.to(torch.float64))
+        self.dtypes.append(t.dtype)
+
+    def peaks(self) -> Tuple[float, Peaks]:
+        """``(largest |entry|, per dtype by name)`` of the recorded tensors (NaN counts as ``inf``)."""
+        val, by_dtype = _peaks_of(self)
+        return val, named_peaks(by_dtype)
+
+
+class StepFigures:
+    """What a checked training step measured of one update (:meth:`OnDataWatch.from_measured`): the largest
+    intermediates (``peak``, ``peaks`` per dtype, :class:`StepRecorder`), the largest attention logit on the
+    attention's own input, and the costate ``p_k = dL/dX_k`` the user's backward delivered (a tensor hook on
+    ``X_k``)."""
+
+    def __init__(self) -> None:
+        self.peak: Optional[float] = None
+        self.peaks: Peaks = {}
+        self.max_logit: Optional[float] = None
+        self.costate: Optional[Tensor] = None
+        self.attention = False  # the update has an attention (its kappa is read)
+        self.logit_input: Optional[Tensor] = None  # the attention's input in the training forward
+
+    @property
+    def complete(self) -> bool:
+        return self.peak is not None and self.costate is not None
+
+
+def _kappa_of(kappas: Dict[int, float], k: int) -> Callable[[], float]:
+    """``Step.kappa`` of update ``k``: the monitor's figure (NaN where it has none)."""
+    return lambda: kappas.get(k, math.nan)
+
+
+def _not_evaluated(x: Tensor) -> Tensor:
+    raise RuntimeError("a segment measured in the training step is not evaluated again")
 
 
 class OnDataWatch:
@@ -78,6 +135,12 @@ class OnDataWatch:
         self.last: Optional[TrajectoryReport] = None
 
     # -- computing --------------------------------------------------------------------------------------------
+    def measured_next(self) -> bool:
+        """Whether the next check reads only measured figures (the ``"measured"`` basis, no Lanczos estimate due):
+        then the training step can measure them itself (:meth:`from_measured`)."""
+        due = self.estimate_every is not None and self.checks % self.estimate_every == 0
+        return self.basis == "measured" and not due
+
     def _jacobians(self) -> Optional[bool]:
         """``evaluate``'s ``jacobians`` at this check: ``True``, or ``None`` (only without an exact ``p_D``)."""
         self.checks += 1
@@ -104,6 +167,41 @@ class OnDataWatch:
             src = Source(steps, head, token_norm_max(calls[0].x))
             rep = evaluate(src, self.dtype, model=model, steps=self.steps, tol=self.tol, dense_max=0, warm=self.warm,
                            jacobians=self._jacobians())
+        rep.seconds = time.perf_counter() - t0
+        self.last = rep
+        return rep
+
+    def from_measured(self, calls: Sequence[Call], figures: Sequence[StepFigures], *, dt: float,
+                      certs: Optional[Sequence[Any]], p_d: Tensor, kappas: Dict[int, float], model: str
+                      ) -> TrajectoryReport:
+        """The measured report from what the checked training step measured itself (no pass here): per update the
+        captured ``X_k`` and ``v(X_k)``, the :class:`StepFigures` (intermediates, logit, the costate ``p_k`` from the
+        user's backward) and ``p_d`` (the costate at ``X_D``).  The same figures as :meth:`from_calls` on the
+        measured basis (``jacobians=False``), read off the training step instead of recomputed: costates by the
+        user's backward instead of vector-Jacobian products, in the step's own mode (training-mode dropout
+        included)."""
+        t0 = time.perf_counter()
+        self.checks += 1
+        ups: List[UpdateTrajectory] = []
+        for k, (c, f) in enumerate(zip(calls, figures)):
+            assert c.out is not None and f.peak is not None and f.costate is not None  # checked by the caller
+            x = c.x.detach()
+            cert = None if certs is None else certs[k]
+            st = Step(c.name, "update", x, _not_evaluated, token_norm_max(x + dt * c.out.detach().to(x.dtype)), dt=dt,
+                      cert=cert, kappa=_kappa_of(kappas, k) if f.attention else None, key=c.name)
+            u = _update(st, x, c.out, (f.peak, f.max_logit, f.peaks), self.steps, self.tol, 0, None, False, None)
+            u.costate_norm = _per_sample_max(f.costate)
+            ups.append(u)
+        last = calls[-1]
+        assert last.out is not None
+        x_d = (last.x + dt * last.out.to(last.x.dtype)).detach()
+        head, _ = _head(Head(x_d, p=p_d, detail="the costate at X_D from the training backward (measured)"),
+                        self.steps, self.tol, 0, None)
+        x0 = calls[0].x
+        rep = TrajectoryReport(model, self.dtype, math.log(float_max(self.dtype)), ups, head, int(x0.shape[0]),
+                               tokens_of(x0), notes=["measured in the training step: intermediates recorded in its "
+                                                     "forward, costates from its backward (no pass of the check)"],
+                               input_norm=token_norm_max(x0))
         rep.seconds = time.perf_counter() - t0
         self.last = rep
         return rep
