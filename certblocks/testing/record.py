@@ -67,8 +67,12 @@ class _Recorder(TorchFunctionMode):
         return self.reach[root]
 
     def record(self, out: Any) -> None:
-        with contextlib.nullcontext() if self.differentiable else torch.no_grad():
-            self._record(out)
+        self.paused += 1  # the recorder's own torch calls (the maxima below) are not intermediates of the function
+        try:
+            with contextlib.nullcontext() if self.differentiable else torch.no_grad():
+                self._record(out)
+        finally:
+            self.paused -= 1
 
     def _record(self, out: Any) -> None:
         for t in torch.utils._pytree.tree_leaves(out):
@@ -76,13 +80,16 @@ class _Recorder(TorchFunctionMode):
                 self._add(t)
 
     def _add(self, t: Tensor) -> None:
-        a = t.masked_fill(t <= torch.finfo(t.dtype).min / 4, 0.0).abs().to(torch.float64)
+        a = t.masked_fill(t <= torch.finfo(t.dtype).min / 4, 0.0).abs()
+        if self.differentiable:  # the searches ascend these maxima: their gradients in float64
+            a = a.to(torch.float64)
+        # else the maxima in the tensor's own dtype (exact: a maximum rounds nothing), then one float64 copy of each
         if t.dim() and t.shape[0] == self.batch:
-            self.samples.append(a.reshape(self.batch, -1).amax(dim=1))
+            self.samples.append(a.reshape(self.batch, -1).amax(dim=1).to(torch.float64))
             self.sample_dtypes.append(t.dtype)
             self.values.append(self.samples[-1].amax())
         else:
-            self.values.append(a.amax())
+            self.values.append(a.amax().to(torch.float64))
         self.dtypes.append(t.dtype)
 
     def record_casts(self, args: Any, kwargs: Any, out: Any) -> None:
@@ -92,11 +99,15 @@ class _Recorder(TorchFunctionMode):
         if not outs or not torch.is_autocast_enabled(outs[0].device.type):
             return
         low = min((t.dtype for t in outs), key=lambda d: torch.finfo(d).max)
-        with contextlib.nullcontext() if self.differentiable else torch.no_grad():
-            for t in torch.utils._pytree.tree_leaves((args, kwargs)):
-                if (isinstance(t, Tensor) and t.is_floating_point() and t.numel()
-                        and torch.finfo(t.dtype).max > torch.finfo(low).max and self.depends(t)):
-                    self._add(t.to(low))
+        self.paused += 1  # the casts made here are the recorder's, not the function's
+        try:
+            with contextlib.nullcontext() if self.differentiable else torch.no_grad():
+                for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+                    if (isinstance(t, Tensor) and t.is_floating_point() and t.numel()
+                            and torch.finfo(t.dtype).max > torch.finfo(low).max and self.depends(t)):
+                        self._add(t.to(low))
+        finally:
+            self.paused -= 1
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
