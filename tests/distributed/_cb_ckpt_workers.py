@@ -1,21 +1,14 @@
 """Worker of tests/distributed/test_checkpoint_ranks.py (run in spawned gloo processes; imported by name).
 
 Each rank certifies the same checkpoint with :func:`certblocks.checkpoint.certify_checkpoint` under the process
-group (its layers only), then saves plain data: the certificate's ``to_dict()``, the stacks in fp16, bf16 and fp32,
+group (its layers only), then returns plain data: the certificate's ``to_dict()``, the stacks in fp16, bf16 and fp32,
 and the names of the tensors it read while certifying.
 """
 
 from __future__ import annotations
 
-import datetime
-import os
-import pickle
-import sys
-import traceback
+import importlib
 from typing import Any, Dict
-
-import torch
-import torch.distributed as dist
 
 WORLD = 2
 DTYPES = ("fp16", "bf16", "fp32")
@@ -32,24 +25,8 @@ def certify_ranks(directory: str) -> Dict[str, Any]:
 
 
 def entry(rank: int, port: int, out_dir: str, directory: str) -> None:
-    """Join the gloo group of :data:`WORLD` ranks, certify, write ``<out_dir>/<rank>.pkl`` (``<rank>.err``: a
-    traceback)."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=90))
-        result = certify_ranks(directory)
-        with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as fh:
-            pickle.dump(result, fh)
-        dist.barrier()
-    except BaseException:
-        with open(os.path.join(out_dir, f"{rank}.err"), "w") as fh:
-            fh.write(traceback.format_exc())
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # no interpreter teardown (gloo's threads can abort it after a complete run)
+    """Process entry: :func:`certify_ranks` as a scenario of tests/distributed's common entry point (it joins the
+    gloo group of :data:`WORLD` ranks, writes ``<out_dir>/<rank>.pt``, or ``<rank>.err`` with a traceback)."""
+    workers = importlib.import_module("_cb_dist_workers")
+    workers.SCENARIOS["checkpoint"] = lambda rank, directory: certify_ranks(directory)
+    workers.entry("checkpoint", rank, port, out_dir, {"directory": directory})

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import pickle
 import re
 import socket
 import sys
@@ -58,8 +57,7 @@ def _ranks(directory: str, out: str, timeout: float = 150.0) -> List[Dict[str, A
         pytest.fail(f"ranks still running: {alive}; exit codes {[p.exitcode for p in procs]}\n" + "\n".join(errs))
     results = []
     for r in range(W.WORLD):
-        with open(os.path.join(out, f"{r}.pkl"), "rb") as fh:
-            results.append(pickle.load(fh))
+        results.append(torch.load(os.path.join(out, f"{r}.pt"), weights_only=False))
     return results
 
 
