@@ -3,8 +3,10 @@
     python benchmarks/bench_checkpoint.py [--shape llama-1b] [--dir DIR] [--seq-len 8] [--keep]
 
 Writes a random checkpoint of a Llama shape (``save_pretrained``, float32, sharded) to DIR (default a temporary
-directory next to this repository), then runs each mode in a fresh subprocess (one BLAS thread) and reads its peak
-resident memory (``resource.getrusage(RUSAGE_SELF).ru_maxrss``):
+directory), then runs each mode in a fresh subprocess (one BLAS thread) and reads its peak resident memory: ``VmHWM`` of
+``/proc/self/status`` (the high-water mark of the process's own memory since its ``exec``; ``ru_maxrss`` of
+``resource.getrusage`` is recorded too, but Linux carries it over from the parent across ``fork``/``exec``, which is
+why the checkpoint is written by a subprocess of its own and the parent stays small):
 
 * ``whole``: ``AutoModelForCausalLM.from_pretrained(DIR)`` then ``certblocks.certify(model, ids)`` and its bf16 stack;
 * ``layers``: :func:`certblocks.checkpoint.certify_checkpoint` (DIR) and its bf16 stack.
@@ -61,6 +63,18 @@ def write_checkpoint(shape: str, directory: str) -> Dict[str, Any]:
     return {"parameters": params, "bytes_on_disk": size, "write_s": time.perf_counter() - t}
 
 
+def _hwm() -> int:
+    """The process's peak resident memory in bytes (``VmHWM``; ``ru_maxrss`` where /proc is not there)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def digest(rep: Any, dtype: str) -> Dict[str, Any]:
     """What the two modes must agree on: every segment's name and coefficients, the stack's verdict and depths."""
     segs = [[s.name, repr(s.certificate)] for s in rep.all_segments()]
@@ -77,7 +91,7 @@ def run_mode(mode: str, directory: str, seq_len: int) -> Dict[str, Any]:
     from certblocks.checkpoint import CheckpointStats, certify_checkpoint
 
     ids = torch.randint(0, _vocab(directory), (1, seq_len), generator=torch.Generator().manual_seed(0))
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    base = _hwm()
     t0 = time.perf_counter()
     out: Dict[str, Any] = {"mode": mode, "rss_after_imports": base}
     if mode == "whole":
@@ -90,7 +104,8 @@ def run_mode(mode: str, directory: str, seq_len: int) -> Dict[str, Any]:
         out.update(reads=stats.reads, bytes_read=stats.bytes_read, cache_peak_bytes=stats.peak_bytes)
     out.update(digest(rep, "bf16"))
     out["wall_s"] = time.perf_counter() - t0
-    out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out["peak_rss"] = _hwm()
+    out["ru_maxrss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return out
 
 
@@ -100,31 +115,37 @@ def _vocab(directory: str) -> int:
         return int(json.load(fh)["vocab_size"])
 
 
+def _child(argv: list, env: Dict[str, str]) -> Dict[str, Any]:
+    """Run this script with ``argv`` in a fresh interpreter; its last line of output, as JSON."""
+    proc = subprocess.run([sys.executable, __file__, *argv], env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(argv)} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
     parser.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temporary directory)")
     parser.add_argument("--seq-len", type=int, default=8)
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint")
-    parser.add_argument("--mode", choices=("whole", "layers"), help=argparse.SUPPRESS)  # the subprocess
+    parser.add_argument("--mode", choices=("write", "whole", "layers"), help=argparse.SUPPRESS)  # the subprocesses
     args = parser.parse_args()
+    if args.mode == "write":
+        print(json.dumps(write_checkpoint(args.shape, args.dir)))
+        return
     if args.mode:
         print(json.dumps(run_mode(args.mode, args.dir, args.seq_len)))
         return
     directory = args.dir or tempfile.mkdtemp(prefix="cb_ckpt_")
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     try:
-        info = write_checkpoint(args.shape, directory)
+        info = _child(["--mode", "write", "--shape", args.shape, "--dir", directory], env)
         print(f"checkpoint {args.shape}: {info['parameters'] / 1e9:.2f} B parameters, "
               f"{info['bytes_on_disk'] / 1e9:.2f} GB on disk, written in {info['write_s']:.0f} s", flush=True)
         results = {}
         for mode in ("whole", "layers"):
-            proc = subprocess.run([sys.executable, __file__, "--mode", mode, "--dir", directory,
-                                   "--seq-len", str(args.seq_len)], env=env, capture_output=True, text=True)
-            if proc.returncode:
-                raise SystemExit(f"mode {mode} failed:\n{proc.stderr[-4000:]}")
-            results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
-            r = results[mode]
+            results[mode] = r = _child(["--mode", mode, "--dir", directory, "--seq-len", str(args.seq_len)], env)
             print(f"{mode}: peak RSS {r['peak_rss'] / 2**30:.2f} GiB, {r['wall_s']:.0f} s", flush=True)
     finally:
         if not args.keep and os.path.isdir(directory):
@@ -138,11 +159,13 @@ def main() -> None:
           "one BLAS thread")
     print(f"- Same segments, coefficients and bf16 verdict in both modes: {'yes' if same else 'NO'}")
     print()
-    print("| mode | peak RSS | after imports | wall time |")
+    print("| mode | peak RSS (VmHWM) | after imports | wall time |")
     print("|---|---|---|---|")
     for name, r in (("load whole + certify", w), ("layer by layer", lay)):
         print(f"| {name} | {r['peak_rss'] / 2**30:.2f} GiB | {r['rss_after_imports'] / 2**30:.2f} GiB | "
               f"{r['wall_s']:.0f} s |")
+    print(f"\nru_maxrss (carried from the parent across exec): whole {w['ru_maxrss'] / 2**30:.2f} GiB, layers "
+          f"{lay['ru_maxrss'] / 2**30:.2f} GiB; load average at the end {os.getloadavg()[0]:.1f}")
     print(f"\nratio of peak RSS (layers / whole): {lay['peak_rss'] / w['peak_rss']:.2f}; layer-by-layer cache peak "
           f"{lay['cache_peak_bytes'] / 2**30:.2f} GiB, {lay['reads']} tensor reads ({lay['bytes_read'] / 1e9:.1f} GB)")
     out = ROOT / "benchmarks" / "out"

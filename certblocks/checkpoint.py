@@ -41,7 +41,7 @@ from torch import nn
 
 from ._validation import NonFiniteWeightError, check_int
 
-__all__ = ["certify_checkpoint", "is_checkpoint", "CheckpointStats", "KEEP_GROUPS"]
+__all__ = ["certify_checkpoint", "certify_ranks", "is_checkpoint", "CheckpointStats", "KEEP_GROUPS"]
 
 #: How many groups of weights (one layer's, or one tensor outside the layers) the cache keeps: two, so that a head
 #: (a norm, then the output projection) or a stem (token and position tables) is read once.
@@ -107,7 +107,6 @@ class _Weights:
                 weight_map = {k: _SINGLE for k in fh.keys()}
         self.directory, self.weight_map, self.aliases, self.buffers = directory, weight_map, aliases, buffers
         self.dtype, self.allowed = dtype, allowed
-        self._files: Dict[str, Any] = {}
         self._cache: OrderedDict[str, Dict[str, torch.Tensor]] = OrderedDict()
         self.stats = CheckpointStats()
 
@@ -123,10 +122,9 @@ class _Weights:
             if name in self.buffers:  # a buffer the checkpoint does not store: its value as constructed
                 return self.buffers[name]
             raise KeyError(f"{name!r} is neither in the checkpoint {self.directory!r} nor a buffer of the model")
-        fname = self.weight_map[key]
-        if fname not in self._files:
-            self._files[fname] = safe_open(os.path.join(self.directory, fname), framework="pt", device="cpu")
-        t = self._files[fname].get_tensor(key)
+        # opened for each read: a file kept open keeps the pages read from it mapped (resident) in this process
+        with safe_open(os.path.join(self.directory, self.weight_map[key]), framework="pt", device="cpu") as fh:
+            t = fh.get_tensor(key)
         if t.is_floating_point() and name not in self.buffers:
             t = t.to(self.dtype)
         if (t.is_floating_point() or t.is_complex()) and t.numel() and not bool(
@@ -307,10 +305,7 @@ def certify_checkpoint(path: Union[str, os.PathLike], *, seq_len: int = 8, examp
         certblocks.trace.CaptureError: ``torch.export`` cannot capture the model.
     """
     from .model import as_args
-    from .trace.api import _certify_chain, certify_segment
     from .trace.capture import capture
-    from .trace.chain import model_chain
-    from .trace.residual import find_residual_updates
 
     directory = os.fspath(path)
     if not is_checkpoint(directory):
@@ -338,35 +333,84 @@ def certify_checkpoint(path: Union[str, os.PathLike], *, seq_len: int = 8, examp
     groups = list(dict.fromkeys(_group(w) for w in lazy.values() if _LAYER.match(w)))
     if world == 1 or not groups:
         _run_nodes(g, compute)
-        owners: Dict[str, int] = {n.name: 0 for n in g.nodes}
+        owners: Dict[str, int] = {n.name: rank for n in g.nodes}  # no layers to split: every rank certifies all
         world = 1
     else:
         owners = _owners(g, groups, world)
         weights.allowed = _placeholder_names(g, [n for n in compute if owners[n.name] == rank], lazy)
         _run_staged(g, compute, owners, rank, world, group)
     weights.drop()
+    what = f"{type(model).__name__} in {directory!r}"
+    rep = _certify_owned(g, type(model).__name__, what, owners, rank, world, group, weights)
+    weights.drop()
+    if stats is not None:
+        stats.reads, stats.bytes_read = weights.stats.reads, weights.stats.bytes_read
+        stats.peak_bytes, stats.read = weights.stats.peak_bytes, set(weights.stats.read)
+    return rep
+
+
+def _certify_owned(g: Any, model_name: str, what: str, owners: Dict[str, int], rank: int, world: int, group: Any,
+                   weights: Optional[_Weights] = None) -> Any:
+    """The chain of the graph (every value computed), this rank's segments certified (those whose output node it
+    owns), gathered from every rank and assembled (:func:`certblocks.trace.api._certify_chain`)."""
+    from .trace.api import _certify_chain, certify_segment
+    from .trace.chain import model_chain
+    from .trace.residual import find_residual_updates
+
     ups = find_residual_updates(g)
     chain = model_chain(g, ups) if ups else None
     if chain is None or not chain.segments:
         why = chain.notes[0] if chain is not None and chain.notes else "it has no residual update on one path"
-        raise ValueError(f"{type(model).__name__} in {directory!r} is not one chain of residual updates ({why}): "
-                         "certify the loaded model with certblocks.certify instead")
-    mine = [k for k, s in enumerate(chain.segments) if owners[s.end.name] == rank]
-    certs = {k: certify_segment(g, chain.segments[k], k) for k in mine}
-    weights.drop()
+        raise ValueError(f"{what} is not one chain of residual updates ({why}): certify the loaded model with "
+                         "certblocks.certify instead")
+    certs = {k: certify_segment(g, s, k) for k, s in enumerate(chain.segments) if owners[s.end.name] == rank}
+    if weights is not None:
+        weights.drop()
     if world > 1:
         import torch.distributed as dist
 
         gathered: List[Any] = [None] * world
         dist.all_gather_object(gathered, certs, group=group)
         certs = {k: tc for part in gathered for k, tc in part.items()}
-        weights.allowed = None  # the outputs and the loss-scale pass (.stack in fp16) read every layer again
-    rep = _certify_chain(g, chain, type(model).__name__, certified=[certs[k] for k in range(len(chain.segments))])
-    weights.drop()
-    if stats is not None:
-        stats.reads, stats.bytes_read = weights.stats.reads, weights.stats.bytes_read
-        stats.peak_bytes, stats.read = weights.stats.peak_bytes, set(weights.stats.read)
-    return rep
+        if weights is not None:
+            weights.allowed = None  # the outputs and the loss-scale pass (.stack in fp16) read every layer again
+    return _certify_chain(g, chain, model_name, certified=[certs[k] for k in range(len(chain.segments))])
+
+
+def certify_ranks(module: nn.Module, example_input: Any, *, group: Any = None) -> Any:
+    """Certify an in-memory model from its graph with the layers split across the ranks of ``torch.distributed``.
+
+    Every rank holds the model (as under DDP) and captures its graph on ``example_input`` (the same on every rank);
+    rank ``r`` certifies the segments of its contiguous range of layers and the segments' certificates are gathered
+    (``all_gather_object``): every rank returns :func:`certblocks.certify`'s certificate (``residual="auto"``), in
+    about ``1 / world`` of its time.  Without an initialized process group: :func:`certblocks.certify` itself.
+
+    Args:
+        module: the model (in eval mode for a certificate of the model as it runs in inference: dropout off).
+        example_input: a batch (a tensor, a tuple of positional arguments, a mapping of keyword arguments).
+        group: the process group (``None``: the default one).
+
+    Raises:
+        ValueError: the model is not one chain of residual updates.
+        NonFiniteWeightError: a weight holds NaN or inf.
+        certblocks.trace.CaptureError: ``torch.export`` cannot capture the model.
+    """
+    from ._validation import check_finite
+    from .model import as_args
+    from .trace.capture import capture
+
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    rank, world = _process_group(None, group)
+    check_finite(module)
+    args, kwargs = as_args(example_input)
+    g = capture(module, args, kwargs)
+    groups = list(dict.fromkeys(_group(w) for w in g.params.values() if _LAYER.match(w)))
+    if groups and world > 1:
+        owners = _owners(g, groups, world)
+    else:  # one process, or no layers to split: every rank certifies every segment
+        owners, world = {n.name: rank for n in g.nodes}, 1
+    return _certify_owned(g, type(module).__name__, type(module).__name__, owners, rank, world, group)
 
 
 def _flat_inputs(g: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> List[Any]:

@@ -1,8 +1,9 @@
 """Worker of tests/distributed/test_checkpoint_ranks.py (run in spawned gloo processes; imported by name).
 
 Each rank certifies the same checkpoint with :func:`certblocks.checkpoint.certify_checkpoint` under the process
-group (its layers only), then returns plain data: the certificate's ``to_dict()``, the stacks in fp16, bf16 and fp32,
-and the names of the tensors it read while certifying.
+group (its layers only), and the model loaded from it with :func:`certblocks.checkpoint.certify_ranks`, then returns
+plain data: the certificates' ``to_dict()``, the stacks in fp16, bf16 and fp32, and the names of the tensors the
+checkpoint's certification read.
 """
 
 from __future__ import annotations
@@ -20,8 +21,17 @@ def certify_ranks(directory: str) -> Dict[str, Any]:
 
     stats = CheckpointStats()
     rep = certify_checkpoint(directory, stats=stats)
+    import torch
+    import transformers
+
+    from certblocks.checkpoint import certify_ranks
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    mem = certify_ranks(model, ids)  # the loaded model, its layers split across the ranks too
     return {"report": rep.to_dict(), "stacks": {d: rep.stack(d) for d in DTYPES}, "read": sorted(stats.read),
-            "segments": [(s.name, s.certificate) for s in rep.all_segments()]}
+            "segments": [(s.name, s.certificate) for s in rep.all_segments()],
+            "memory": mem.to_dict(), "memory_stacks": {d: mem.stack(d) for d in DTYPES}}
 
 
 def entry(rank: int, port: int, out_dir: str, directory: str) -> None:

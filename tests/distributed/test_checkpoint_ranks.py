@@ -1,5 +1,6 @@
 """A checkpoint certified by 2 gloo ranks (``torch.multiprocessing``, spawn): each rank reads only its layers, and
-every rank returns exactly the certificate one process returns (issue 30 item 3)."""
+every rank returns exactly the certificate one process returns; the model loaded in memory, its layers split across
+the ranks (:func:`certblocks.checkpoint.certify_ranks`), gives the same (issue 30 item 3)."""
 
 from __future__ import annotations
 
@@ -85,8 +86,10 @@ def test_two_ranks_return_the_one_process_certificate(tmp_path, kind, layers):
     for r, res in enumerate(ranks):
         assert res["segments"] == single["segments"], f"rank {r}"
         assert res["report"] == single["report"], f"rank {r}"
+        assert res["memory"] == single["report"], f"rank {r}: the in-memory model split across ranks"
         for d in W.DTYPES:
             assert res["stacks"][d] == single["stacks"][d], f"rank {r} {d}"
+            assert res["memory_stacks"][d] == single["stacks"][d], f"rank {r} {d} (in memory)"
     # each rank read only its own layers: disjoint, contiguous halves that cover every layer
     mine = [{_layer(n) for n in res["read"]} - {""} for res in ranks]
     every = {_layer(n) for n in single["read"]} - {""}
