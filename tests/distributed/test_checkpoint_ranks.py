@@ -26,6 +26,7 @@ W = importlib.import_module("_cb_ckpt_workers")
 import torch.distributed as dist  # noqa: E402
 
 pytestmark = [
+    pytest.mark.slow,  # 2 spawned ranks, a checkpoint certified twice and a model once on each: ~30-60 s
     pytest.mark.timeout(180),
     pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo backend"),
 ]
