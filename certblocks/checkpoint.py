@@ -82,6 +82,13 @@ def _group(name: str) -> str:
     return m.group(1) if m else name
 
 
+def _finite(t: torch.Tensor, chunk: int = 1 << 22) -> bool:
+    """Every entry of ``t`` is finite, checked a chunk at a time (a float64 sum of a float32 tensor would first copy
+    it whole to float64: twice its size)."""
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(c).all()) for c in flat.split(chunk))
+
+
 class _Weights:
     """The checkpoint's tensors by state-dict name, read on demand from the memory-mapped safetensors files and kept
     in a cache of :data:`KEEP_GROUPS` groups (least recently used dropped first).
@@ -127,8 +134,7 @@ class _Weights:
             t = fh.get_tensor(key)
         if t.is_floating_point() and name not in self.buffers:
             t = t.to(self.dtype)
-        if (t.is_floating_point() or t.is_complex()) and t.numel() and not bool(
-                torch.isfinite(t.sum(dtype=torch.float64))):
+        if (t.is_floating_point() or t.is_complex()) and not _finite(t):
             raise NonFiniteWeightError([(name, int((~torch.isfinite(t)).sum()))])
         return t
 
