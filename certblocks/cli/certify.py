@@ -9,7 +9,11 @@ MODEL is one of
   downloaded;
 * ``module:pkg.mod:factory`` -- ``factory()`` returns a module and an example input
   (``(module, example_input)``), or a module with an ``example_input`` attribute;
-* a zoo name (``certblocks.zoo``).
+* a zoo name (``certblocks.zoo``);
+* a Hugging Face checkpoint directory (``config.json`` and safetensors weights, sharded or not): its causal-LM model
+  certified one layer at a time from the memory-mapped weights, never loaded whole
+  (:func:`certblocks.checkpoint.certify_checkpoint`; the same certificate as the loaded model's), on ``--seq-len``
+  token ids.
 
 The model is read by :func:`certblocks.model.as_certified`: a zoo model is certified from its own blocks (as
 ``certblocks zoo`` shows it), any other from its graph captured on the example input (``--residual`` reads any model
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, List
 
@@ -46,10 +51,12 @@ __all__ = ["ModelSpecError", "add_arguments", "add_certify_parser", "load_model"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``certblocks certify``."""
     p.description = ("Certify every residual update X + f(X) of MODEL from its graph and the depths it reaches in a "
-                     "dtype. MODEL: timm:<name>, hf:gpt2, hf:mamba, hf:llama, module:pkg.mod:factory, or a zoo name.")
+                     "dtype. MODEL: timm:<name>, hf:gpt2, hf:mamba, hf:llama, module:pkg.mod:factory, a zoo name, or a "
+                     "Hugging Face checkpoint directory (certified layer by layer).")
     p.add_argument("model", nargs="?", default=None,
-                   help="timm:<name> | hf:gpt2 | hf:mamba | hf:llama | module:pkg.mod:factory | zoo name; "
-                        "without MODEL, every zoo model is certified (fp16, amp-fp16, bf16, fp8-e4m3, fp32)")
+                   help="timm:<name> | hf:gpt2 | hf:mamba | hf:llama | module:pkg.mod:factory | zoo name | DIR (a "
+                        "Hugging Face checkpoint: config.json and safetensors); without MODEL, every zoo model is "
+                        "certified (fp16, amp-fp16, bf16, fp8-e4m3, fp32)")
     p.add_argument("--dtype", type=dtype_list, default=None,
                    help="a dtype (fp16, bf16, fp32, fp64, fp8_e4m3, fp8_e5m2) or a precision policy (amp-fp16, "
                         "amp-bf16, fsdp-bf16, fp8-e4m3: each value against the dtype it is held in; a model read "
@@ -95,6 +102,8 @@ def run_certify(args: argparse.Namespace) -> int:
         raise UsageError(f"--dtype takes one dtype with a MODEL, got {','.join(args.dtype)!r}")
     dtype = "bf16" if args.dtype is None else args.dtype[0]
     progress = progress_of(args, "certify")
+    if os.path.isdir(args.model):
+        return _run_checkpoint(args, dtype, progress)
     progress("build", args.model)
     model, example = load_model(args.model, args.seq_len)
 
@@ -123,7 +132,36 @@ def run_certify(args: argparse.Namespace) -> int:
     return EXIT_OK if stack.ok else EXIT_NOT_CERTIFIED
 
 
-def _print(args: argparse.Namespace, cm: Any, report: Any, stack: Any, fixes: List[Any]) -> None:
+def _run_checkpoint(args: argparse.Namespace, dtype: str, progress: Any) -> int:
+    """``certblocks certify DIR``: a Hugging Face checkpoint directory certified layer by layer."""
+    from certblocks.checkpoint import certify_checkpoint, is_checkpoint
+    from certblocks.precision import as_precision
+    from certblocks.trace import CaptureError
+
+    if not is_checkpoint(args.model):
+        raise UsageError(f"{args.model!r} is a directory but not a Hugging Face checkpoint: it needs config.json and "
+                         "model.safetensors or model.safetensors.index.json")
+    if args.residual != "auto":
+        raise UsageError(f"--residual {args.residual!r}: a checkpoint is read as its chain of residual updates "
+                         "(--residual auto)")
+    if not as_precision(dtype).pure:
+        raise UsageError(f"--dtype {dtype}: a checkpoint is certified in a pure dtype (fp16, bf16, fp32, ...); a mixed "
+                         "policy needs the loaded model (certblocks.certify(model, x, precision=...))")
+    progress("certify layer by layer", args.model)
+    try:
+        report = certify_checkpoint(args.model, seq_len=args.seq_len)
+        stack = report.stack(dtype, r0=1.0 if args.r0 is None else args.r0, dt=1.0 if args.dt is None else args.dt)
+    except (CaptureError, ValueError, TypeError, KeyError) as exc:  # a model torch.export cannot capture, not one
+        # chain, a non-finite weight (NonFiniteWeightError is a ValueError), a weight missing from the files
+        raise UsageError(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__) from None
+    finally:
+        progress.clear()
+    _print(args, None, report, stack, [], read_from="checkpoint")
+    return EXIT_OK if stack.ok else EXIT_NOT_CERTIFIED
+
+
+def _print(args: argparse.Namespace, cm: Any, report: Any, stack: Any, fixes: List[Any], *,
+           read_from: str = "") -> None:
     """The certificate (and, read from the graph, the updates found there); on a refusal, the model's fixes."""
     out = sys.stdout
     if args.json:
@@ -136,7 +174,7 @@ def _print(args: argparse.Namespace, cm: Any, report: Any, stack: Any, fixes: Li
                     u.pop("nodes", None)
         else:  # certified blocks: their own certificates
             updates = {"model": type(cm.module).__name__, "updates": [u.to_dict() for u in stack.updates]}
-        doc = {"model": args.model, "read_from": cm.kind, "certificates": updates,
+        doc = {"model": args.model, "read_from": read_from or cm.kind, "certificates": updates,
                "stack": stack.to_dict(fixes=fixes)}
         print(json.dumps(jsonable(doc), indent=2), file=out)
         return

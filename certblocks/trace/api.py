@@ -12,7 +12,7 @@ from .._validation import check_finite
 from ..certificate import BlockCertificate
 from ..precision import as_precision
 from .capture import CapturedGraph, capture, held_dtype
-from .chain import Chain, certify_outputs, model_chain, segment_name
+from .chain import Chain, Segment, certify_outputs, model_chain, segment_name
 from .collapse import coefficients, held_peaks, peak
 from .diagnosis import culprit
 from .interp import VelocityInterpreter
@@ -136,18 +136,25 @@ def certify(module: nn.Module, example_input: Any, *, residual: Union[str, Seque
     return ModelCertificate(certs, model_name, g.strict, precision=_policy(g))  # each velocity's notes: its own
 
 
-def _certify_chain(g: CapturedGraph, chain: Chain, model_name: str) -> ModelCertificate:
-    """Certify every segment of a model's chain: updates through their velocities, the rest as maps."""
+def certify_segment(g: CapturedGraph, seg: Segment, k: int) -> TraceCertificate:
+    """Certify segment ``k`` of a model's chain: an update through its velocity, any other segment as a map."""
+    if seg.kind == "update":
+        assert seg.velocity is not None
+        return certify_velocity(g, seg.start, seg.velocity, velocity_name(g, seg.velocity, seg.end) or f"update {k}",
+                                state=seg.end)
+    tc = certify_velocity(g, seg.start, seg.end, segment_name(g, seg))
+    tc.certificate = replace(tc.certificate, kind="block" if seg.kind == "block" else "map")
+    return tc
+
+
+def _certify_chain(g: CapturedGraph, chain: Chain, model_name: str,
+                   certified: Optional[Sequence[TraceCertificate]] = None) -> ModelCertificate:
+    """Certify every segment of a model's chain (:func:`certify_segment`) and assemble them; ``certified``: the
+    segments' certificates already computed, in chain order (a checkpoint's ranks, :mod:`certblocks.checkpoint`)."""
     body: List[TraceCertificate] = []
     stem = head = None
     for k, seg in enumerate(chain.segments):
-        if seg.kind == "update":
-            assert seg.velocity is not None
-            tc = certify_velocity(g, seg.start, seg.velocity, velocity_name(g, seg.velocity, seg.end) or f"update {k}",
-                                  state=seg.end)
-        else:
-            tc = certify_velocity(g, seg.start, seg.end, segment_name(g, seg))
-            tc.certificate = replace(tc.certificate, kind="block" if seg.kind == "block" else "map")
+        tc = certified[k] if certified is not None else certify_segment(g, seg, k)
         if seg.kind == "stem":
             stem = tc
         elif seg.kind == "head":

@@ -356,7 +356,11 @@ def embedding(it: Any, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
     w = a.get("weight")
     if not isinstance(w, AValue) or not w.const or w.value is None or w.value.dim() != 2:
         return unknown(shape, "embedding lookup in an input-dependent table")
-    rows = torch.linalg.vector_norm(w.value.detach().double(), dim=-1)
-    return AValue(exps=E.CONSTANT, shape=tuple(shape), growth=Poly.const(float(rows.max())),
-                  max_abs=Poly.const(float(w.value.detach().double().abs().max())), jacobian=Poly.ZERO, sign=w.sign,
+    table = w.value.detach()
+    rows = top = 0.0
+    for part in table.split(max(1, (1 << 22) // max(table.shape[1], 1))):  # a float64 copy of a whole large table
+        rows = max(rows, float(torch.linalg.vector_norm(part.double(), dim=-1).max()))  # is twice its size: by rows
+        top = max(top, float(part.abs().max()))  # |w| and the largest are exact in any dtype
+    return AValue(exps=E.CONSTANT, shape=tuple(shape), growth=Poly.const(rows), max_abs=Poly.const(top),
+                  jacobian=Poly.ZERO, sign=w.sign,
                   rule="embedding (largest row of the table; derivative 0 in the index)")

@@ -1,0 +1,105 @@
+"""A checkpoint certified by 2 gloo ranks (``torch.multiprocessing``, spawn): each rank reads only its layers, and
+every rank returns exactly the certificate one process returns; the model loaded in memory, its layers split across
+the ranks (:func:`certblocks.checkpoint.certify_ranks`), gives the same (issue 30 item 3)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import socket
+import sys
+import time
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+W = importlib.import_module("_cb_ckpt_workers")
+
+import torch.distributed as dist  # noqa: E402
+
+pytestmark = [
+    pytest.mark.slow,  # 2 spawned ranks, a checkpoint certified twice and a model once on each: ~30-60 s
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo backend"),
+]
+
+
+def _port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ranks(directory: str, out: str, timeout: float = 150.0) -> List[Dict[str, Any]]:
+    """Certify ``directory`` on :data:`W.WORLD` spawned ranks; each rank's result (fail on an error or a hang)."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    port = _port()
+    procs = [ctx.Process(target=W.entry, args=(r, port, out, directory), daemon=True) for r in range(W.WORLD)]
+    for p in procs:
+        p.start()
+    end = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
+    alive = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    errs = [open(os.path.join(out, f"{r}.err")).read() for r in range(W.WORLD)
+            if os.path.exists(os.path.join(out, f"{r}.err"))]
+    if alive or errs or any(p.exitcode for p in procs):
+        pytest.fail(f"ranks still running: {alive}; exit codes {[p.exitcode for p in procs]}\n" + "\n".join(errs))
+    results = []
+    for r in range(W.WORLD):
+        results.append(torch.load(os.path.join(out, f"{r}.pt"), weights_only=False))
+    return results
+
+
+def _layer(name: str) -> str:
+    m = re.match(r"^(.*?\.\d+)\.", name)
+    return m.group(1) if m else ""
+
+
+@pytest.mark.parametrize("kind, layers", [("llama", 4), ("gpt2", 3)])
+def test_two_ranks_return_the_one_process_certificate(tmp_path, kind, layers):
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    else:
+        cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=layers, n_head=4, n_positions=32,
+                                      bos_token_id=0, eos_token_id=0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    directory = str(tmp_path / "ckpt")
+    model.save_pretrained(directory, max_shard_size="20KB")
+    single = W.certify_ranks(directory)  # one process (no process group in the test process)
+    out = tmp_path / "out"
+    out.mkdir()
+    ranks = _ranks(directory, str(out))
+    for r, res in enumerate(ranks):
+        assert res["segments"] == single["segments"], f"rank {r}"
+        assert res["report"] == single["report"], f"rank {r}"
+        assert res["memory"] == single["report"], f"rank {r}: the in-memory model split across ranks"
+        for d in W.DTYPES:
+            assert res["stacks"][d] == single["stacks"][d], f"rank {r} {d}"
+            assert res["memory_stacks"][d] == single["stacks"][d], f"rank {r} {d} (in memory)"
+    # each rank read only its own layers: disjoint, contiguous halves that cover every layer
+    mine = [{_layer(n) for n in res["read"]} - {""} for res in ranks]
+    every = {_layer(n) for n in single["read"]} - {""}
+    assert len(every) == layers
+    assert mine[0] and mine[1] and not mine[0] & mine[1] and mine[0] | mine[1] == every
+    index = [sorted(int(g.rsplit(".", 1)[1]) for g in m) for m in mine]
+    assert max(index[0]) < min(index[1])
+    # the stem's table is read by rank 0 and the final norm by the last rank only
+    final_norm = "model.norm.weight" if kind == "llama" else "transformer.ln_f.weight"
+    assert final_norm in ranks[1]["read"] and final_norm not in ranks[0]["read"]
+    table = {"model.embed_tokens.weight", "lm_head.weight"} if kind == "llama" else {"transformer.wpe.weight"}
+    assert table & set(ranks[0]["read"])  # the token table (tied to the output: the graph names it either way)
