@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 import torch
+from certblocks.zoo import create_model
 from torch import nn
 
 import certblocks
@@ -17,7 +18,6 @@ from certblocks.blocks import MLP, Attention, QKNormAttention
 from certblocks.ondata import watch as watch_module
 from certblocks.ondata.watch import StepRecorder
 from certblocks.testing.record import _Recorder, intermediate_peaks
-from certblocks.zoo import create_model
 
 
 def _stack(overflow: bool = False) -> certblocks.stack.CertifiedStack:
