@@ -89,6 +89,8 @@ class Probe:
     def __init__(self, model: nn.Module) -> None:
         self.active = False
         self.order: List[Tuple[str, float, str]] = []
+        self.grads: List[Tuple[str, bool, str]] = []
+        self.params = list(model.named_parameters())
         self.handles = [m.register_forward_hook(self._hook(n)) for n, m in model.named_modules() if n]
 
     def _hook(self, name: str) -> Any:
@@ -99,10 +101,23 @@ class Probe:
             if isinstance(y, torch.Tensor) and y.is_floating_point() and y.numel():
                 v = float(y.detach().abs().max().to(torch.float64))
                 self.order.append((name, math.inf if math.isnan(v) else v, str(y.dtype).replace("torch.", "")))
+                if y.requires_grad:  # the gradient of this output, in the order the backward delivers them
+                    y.register_hook(lambda g, n=name: self.grads.append(
+                        (n, bool(torch.isfinite(g).all()), str(g.dtype).replace("torch.", ""))))
         return hook
 
     def start(self) -> None:
-        self.order, self.active = [], True
+        self.order, self.grads, self.active = [], [], True
+
+    def first_grad_nonfinite(self) -> Optional[Dict[str, Any]]:
+        """The first module output whose (scaled) gradient was not finite, in the backward's order; else the first
+        parameter (module order) whose gradient is not (a weight gradient computed in fp16 inside the module: its
+        output's gradient finite); ``None`` when every gradient is finite."""
+        found = next(({"module": n, "dtype": d} for n, ok, d in self.grads if not ok), None)
+        if found is None:
+            found = next(({"module": n, "dtype": "parameter"} for n, p in self.params
+                          if p.grad is not None and not bool(torch.isfinite(p.grad).all())), None)
+        return found
 
     def stop(self) -> None:
         self.active = False
@@ -211,6 +226,7 @@ class Run:
         self.monitor_records: List[Dict[str, Any]] = []
         self.trace: List[Dict[str, Any]] = []
         self.skipped: List[int] = []
+        self.skipped_where: List[Optional[Dict[str, Any]]] = []  # per skipped step, its first non-finite gradient
         self.overflow: Optional[Dict[str, Any]] = None
 
     def forward_checked(self, step: int, loss: torch.Tensor) -> bool:
@@ -258,8 +274,9 @@ class Run:
         now = float(self.scaler.get_scale())
         if now < before:
             self.skipped.append(step)
+            self.skipped_where.append(self.probe.first_grad_nonfinite())
         if now < 1.0:
-            self.overflow = {"kind": "scaler", "step": step, "observed": None, "scale": now}
+            self.overflow = {"kind": "scaler", "step": step, "observed": self.skipped_where[-1], "scale": now}
             return False
         return True
 
@@ -292,7 +309,7 @@ class Run:
         a = self.a
         if self.overflow is None and len(self.skipped) >= a.stuck and self.skipped[-a.stuck:] == list(
                 range(steps_done - a.stuck, steps_done)):
-            self.overflow = {"kind": "scaler", "step": self.skipped[-a.stuck], "observed": None,
+            self.overflow = {"kind": "scaler", "step": self.skipped[-a.stuck], "observed": self.skipped_where[-1],
                              "scale": float(self.scaler.get_scale())}
         alerts = [] if self.monitor is None else [
             {"step": x["step"], "update": x["update"], "quantity": x["quantity"], "value": x["value"],
@@ -300,7 +317,8 @@ class Run:
         self.probe.remove()
         if self.monitor is not None:
             self.monitor.remove()
-        return {"overflow": self.overflow, "skipped_steps": self.skipped, "certs": self.certs,
+        return {"overflow": self.overflow, "skipped_steps": self.skipped, "skipped_where": self.skipped_where,
+                "certs": self.certs,
                 "monitor_alerts": alerts, "monitor_records": self.monitor_records, "trace": self.trace,
                 "final_scale": float(self.scaler.get_scale())}
 
@@ -405,7 +423,8 @@ def verdict(r: Dict[str, Any]) -> Dict[str, Any]:
     end = ov["step"] if ov is not None else math.inf
     out: Dict[str, Any] = {"overflowed": ov is not None, "kind": None if ov is None else ov["kind"],
                            "step": None if ov is None else ov["step"],
-                           "observed": None if ov is None or not ov.get("observed") else ov["observed"]["module"]}
+                           "observed": None if ov is None or not ov.get("observed") else
+                           ov["observed"]["module"] + (" (gradient)" if ov["kind"] == "scaler" else "")}
     for which in ("spine", "graph"):
         cs = [c for c in r["certs"] if which in c and "error" not in c[which]]
         if not cs:
@@ -575,6 +594,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--stuck", type=int, default=10, help="an overflow when the last n steps were all skipped")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--report-only", action="store_true",
+                   help="summarize the runs of the log made with these settings, train none (implies --resume)")
     p.add_argument("--tag", default=None, help="output name suffix (default quick / full)")
     p.add_argument("--out", default=lrs.OUT_DIR)
     a = p.parse_args(argv)
@@ -606,12 +627,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 ["corpus_bytes", "clip", "monitor_every", "stuck"]}
     settings.update(data=os.path.abspath(a.data), lr=base, cert_steps=sorted(a.cert_steps))
     done: Dict[Tuple, Dict[str, Any]] = {}
+    a.resume = a.resume or a.report_only
     if a.resume and os.path.exists(log_path):
         with open(log_path) as f:
             done = {_key(r): r for r in map(json.loads, filter(str.strip, f)) if r.get("settings") == settings}
     elif os.path.exists(log_path):
         os.remove(log_path)
-    data = lrs.load_data([d for d, _ in plan], a)
+    data = {} if a.report_only else lrs.load_data([d for d, _ in plan], a)
     # seed-major: a grid stopped early has every cell at the first seeds
     grid = [(ds, v, m, seed) for seed in seeds for ds, v in plan for m in mults]
     _log(f"amp_grid ({tag}): {len(grid)} runs = {plan} x multipliers {mults} of {base} x seeds {seeds}, {POLICY}; "
@@ -621,6 +643,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for i, key in enumerate(grid, 1):
         if key in done:
             runs.append(done[key])
+            continue
+        if a.report_only:
             continue
         ds, v, m, seed = key
         lr = base[ds] * m
@@ -641,7 +665,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     meta = {"command": cmd, "mode": tag, **settings, "multipliers": mults, "seeds": seeds, "policy": POLICY,
             "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
                        f"{torch.get_num_threads()} threads",
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seconds": round(time.time() - t_all, 1)}
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seconds": round(time.time() - t_all, 1),
+            "runs": len(runs), "planned": len(grid), "run_seconds": round(sum(r["seconds"] for r in runs), 1)}
     path = os.path.join(a.out, f"amp_grid_{tag}.json")
     with open(path, "w") as f:
         json.dump({"meta": meta, **s}, f, indent=1, default=str)
