@@ -140,3 +140,30 @@ def test_command_line_rejects_bad_settings():
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2
+
+
+def test_probe_names_the_first_nonfinite_gradient_output_then_parameter():
+    from amp_grid import Probe
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    probe = Probe(model)
+    x = torch.full((1000, 4), 300.0)
+    # an output gradient past fp16's M: the last Linear's fp16 output gets an infinite gradient
+    probe.start()
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model(x)
+    probe.stop()
+    (out.float().sum() * 1e6).backward()
+    assert [(n, d) for n, _, d in probe.grads] == [("1", "float16"), ("0", "float16")]
+    assert probe.first_grad_nonfinite() == {"module": "1", "dtype": "float16"}
+    # finite output gradients, a weight gradient summed over 1000 rows in fp16 past M: named by its parameter
+    model.zero_grad()
+    probe.start()
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model[0](x)
+    probe.stop()
+    (out.float().sum() * 300.0).backward()
+    assert all(ok for _, ok, _ in probe.grads)
+    assert probe.first_grad_nonfinite() == {"module": "0.weight", "dtype": "parameter"}
+    probe.remove()
