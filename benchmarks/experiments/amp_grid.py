@@ -421,8 +421,14 @@ def verdict(r: Dict[str, Any]) -> Dict[str, Any]:
     """Per run: observed overflow (kind, step, tensor) and what the certificate and the monitor said before it."""
     ov = r["overflow"]
     end = ov["step"] if ov is not None else math.inf
+    if ov is not None and ov["kind"] == "scaler":  # from the first skip of the dense run of skips that ends there
+        sk = [k for k in r.get("skipped_steps", []) if k <= ov["step"]]
+        i = len(sk) - 1
+        while i > 0 and sk[i] - sk[i - 1] <= 2:
+            i -= 1
+        end = sk[i] if sk else end
     out: Dict[str, Any] = {"overflowed": ov is not None, "kind": None if ov is None else ov["kind"],
-                           "step": None if ov is None else ov["step"],
+                           "step": None if ov is None else end,
                            "observed": None if ov is None or not ov.get("observed") else
                            ov["observed"]["module"] + (" (gradient)" if ov["kind"] == "scaler" else "")}
     for which in ("spine", "graph"):

@@ -123,6 +123,15 @@ def test_verdicts_and_scores_on_hand_made_runs():
     assert sc["monitor named the observed update"] == {"runs": 1, "warned": 1, "warned_forward": 1, "same_update": 1}
 
 
+def test_a_scaler_overflow_starts_at_its_dense_run_of_skips():
+    r = _run(0, {"kind": "scaler", "step": 11, "observed": {"module": "patch.W_P.weight", "dtype": "parameter"}},
+             [_alert(8, "layers.1", 3.0, 0.2)], [_cert(0, False, False, kind="backward")])
+    r["skipped_steps"] = [1, 2, 3, 5, 6, 9, 10, 11]  # 6 -> 9 is a gap of 3: the run of skips starts at 9
+    v = verdict(r)
+    assert (v["kind"], v["step"], v["observed"]) == ("scaler", 9, "patch.W_P.weight (gradient)")
+    assert v["monitor_warned"] == 8 and v["monitor_warned_forward"] is None
+
+
 def test_alert_side_block_of_and_pr():
     assert alert_side(_alert(0, "head", 5.0, 0.9)) == "backward"
     assert alert_side(_alert(0, "blocks.1", 0.2, 7.0)) == "forward"
