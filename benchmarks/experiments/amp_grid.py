@@ -406,15 +406,23 @@ def _block_of(path: Optional[str]) -> Optional[str]:
     return None
 
 
-def _cert_names(c: Dict[str, Any]) -> Optional[str]:
-    """The tensor a certificate names: its forward failure's segment, else the fp16 value nearest ``M``."""
+def _cert_names(c: Dict[str, Any]) -> Tuple[Optional[str], Optional[str]]:
+    """``(what, residual update)`` a certificate names: its forward failure's segment, else the fp16 value nearest
+    ``M``.  The update: from a module path (``layers.2.mixer``), a graph segment (``m.stack#7`` -> ``blocks.7``), else
+    the segment's index in a stack of blocks (``blocks.<index>``)."""
     if "error" in c:
-        return None
+        return None, None
     f = c.get("failure")
     if f is not None and f["kind"] == "forward":
-        return f["name"]
-    n = c.get("nearest_fp16")
-    return None if n is None else f"{n['name']}: {n['what']}"
+        what, name, index = f["name"], f["name"], f["index"]
+    elif c.get("nearest_fp16") is not None:
+        n = c["nearest_fp16"]
+        what, name, index = f"{n['name']}: {n['what']}", n["name"], n["segment"]
+    else:
+        return None, None
+    m = re.search(r"#(\d+)$", name)
+    block = _block_of(f"x.{name}.y") or (f"blocks.{m.group(1)}" if m else f"blocks.{index}")
+    return what, block
 
 
 def verdict(r: Dict[str, Any]) -> Dict[str, Any]:
@@ -443,15 +451,19 @@ def verdict(r: Dict[str, Any]) -> Dict[str, Any]:
                       "init_max_loss_scale": first["max_loss_scale"],
                       "init_failure": None if first["failure"] is None else
                       f"{first['failure']['kind']} at {first['failure']['name']}",
-                      "forward_refused_before": None if refused_fwd is None else refused_fwd["step"],
-                      "named": _cert_names((refused_fwd or (before[-1] if before else cs[0]))[which])}
-    warned = [x for x in r["monitor_alerts"] if x["step"] < end]
+                      "forward_refused_before": None if refused_fwd is None else refused_fwd["step"]}
+        named, block = _cert_names((refused_fwd or (before[-1] if before else cs[0]))[which])
+        out[which].update(named=named, named_update=block)
+    warned = [x for x in r["monitor_alerts"] if x["step"] < end]  # a check on the overflowing forward is not before
     fwd = [x for x in warned if alert_side(x) == "forward"]
     out["monitor_warned"] = warned[0]["step"] if warned else None
     out["monitor_warned_forward"] = fwd[0]["step"] if fwd else None
     first = (fwd or warned or [None])[0]
     out["monitor_named"] = None if first is None else f"{first['update']} ({alert_side(first)})"
     obs_block = _block_of(out["observed"])
+    for which in ("spine", "graph"):
+        if which in out:
+            out[which]["named_observed"] = bool(obs_block and out[which]["named_update"] == obs_block)
     out["monitor_named_observed"] = bool(first is not None and obs_block and
                                          _block_of("x." + first["update"] + ".y") == obs_block)
     return out
@@ -509,7 +521,8 @@ def summarize(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
         scores[ds]["monitor named the observed update"] = {
             "runs": len(named), "warned": sum(v["monitor_warned"] is not None for v in named),
             "warned_forward": sum(v["monitor_warned_forward"] is not None for v in named),
-            "same_update": sum(v["monitor_named_observed"] for v in named)}
+            "same_update": sum(v["monitor_named_observed"] for v in named),
+            **{f"{w}_same_update": sum(v[w]["named_observed"] for v in named if w in v) for w in ("spine", "graph")}}
     return {"rows": rows, "scores": scores}
 
 
@@ -566,7 +579,8 @@ def table(s: Dict[str, Any]) -> str:
         n = sc["monitor named the observed update"]
         out.append(f"\n{ds}: of {n['runs']} overflows with a named tensor, the monitor warned before {n['warned']} "
                    f"({n['warned_forward']} on the forward side), naming the update the tensor lies in "
-                   f"{n['same_update']}")
+                   f"{n['same_update']}; the certificate named that update in {n['spine_same_update']} (spine) and "
+                   f"{n['graph_same_update']} (graph)")
     return "\n".join(out)
 
 
