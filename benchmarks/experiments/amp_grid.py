@@ -522,7 +522,8 @@ def summarize(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
             "runs": len(named), "warned": sum(v["monitor_warned"] is not None for v in named),
             "warned_forward": sum(v["monitor_warned_forward"] is not None for v in named),
             "same_update": sum(v["monitor_named_observed"] for v in named),
-            **{f"{w}_same_update": sum(v[w]["named_observed"] for v in named if w in v) for w in ("spine", "graph")}}
+            **{f"{w}_same_update": sum(v[w]["named_observed"] for v in named) if all(w in v for v in named) else None
+               for w in ("spine", "graph")}}
     return {"rows": rows, "scores": scores}
 
 
@@ -579,8 +580,8 @@ def table(s: Dict[str, Any]) -> str:
         n = sc["monitor named the observed update"]
         out.append(f"\n{ds}: of {n['runs']} overflows with a named tensor, the monitor warned before {n['warned']} "
                    f"({n['warned_forward']} on the forward side), naming the update the tensor lies in "
-                   f"{n['same_update']}; the certificate named that update in {n['spine_same_update']} (spine) and "
-                   f"{n['graph_same_update']} (graph)")
+                   f"{n['same_update']}; the certificate named that update in {_g(n['spine_same_update'])} (spine) "
+                   f"and {_g(n['graph_same_update'])} (graph)")
     return "\n".join(out)
 
 
