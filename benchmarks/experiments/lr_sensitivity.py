@@ -525,6 +525,17 @@ INT_OPTIONS = (("steps", None, "ETTh1 Adam steps (64; quick 6)"), ("depth", 3, "
                ("eval-windows", 64, "held-out byte windows"))
 
 
+def load_data(datasets: Sequence[str], a: argparse.Namespace) -> Dict[str, Any]:
+    """The data of each of ``datasets`` (``"etth1"``: ``a.data``'s windows; ``"bytes"``: the corpus and held-out
+    windows), with ``a``'s settings."""
+    data: Dict[str, Any] = {}
+    if "etth1" in datasets:
+        data["etth1"] = load_ett(a.data, pred_len=a.pred_len, test_stride=a.test_stride)
+    if "bytes" in datasets:
+        data["bytes"] = byte_data(a.corpus_bytes, a.block, a.eval_windows)
+    return data
+
+
 def _key(r: Dict[str, Any]) -> Tuple:
     return (r["dataset"], r["variant"], r["precision"], r["multiplier"], r["seed"])
 
@@ -595,11 +606,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         done = {_key(r): r for r in _read_log(log_path, settings)}
     elif os.path.exists(log_path):
         os.remove(log_path)
-    data: Dict[str, Any] = {}
-    if any(d == "etth1" for d, _ in plan):
-        data["etth1"] = load_ett(a.data, pred_len=a.pred_len, test_stride=a.test_stride)
-    if any(d == "bytes" for d, _ in plan):
-        data["bytes"] = byte_data(a.corpus_bytes, a.block, a.eval_windows)
+    data = load_data([d for d, _ in plan], a)
     n_runs = len(plan) * len(precs) * len(mults) * len(seeds)
     _log(f"lr_sensitivity ({tag}): {n_runs} runs = {plan} x {precs} x lr multipliers {mults} of {base} x seeds "
          f"{seeds}; headroom before steps {a.headroom_steps} in {a.headroom_precisions}; {a.threads} thread(s)"
