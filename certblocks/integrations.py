@@ -105,7 +105,9 @@ class CertificateCallback(TrainerCallback):
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if self.monitor is None:
             return control
-        rec = self.monitor.step()
+        # accelerate's optimizer wrapper holds the GradScaler of an fp16 run: the costates are read unscaled
+        scaler = getattr(kwargs.get("optimizer"), "scaler", None)
+        rec = self.monitor.step(loss_scale=scaler)
         if rec is not None and rec.get("data/alert_headroom") is not None:
             self._logs = {f"certblocks/{k}": float(rec[f"data/{k}"])
                           for k in ("alert_headroom", "headroom", "forward_headroom", "backward_headroom",

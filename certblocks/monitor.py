@@ -258,6 +258,7 @@ class CertificateMonitor:
         self._warm: Dict[int, Dict[str, torch.Tensor]] = {}
         # measured in the training step (the measured basis): per update its figures, the recorders running now
         self._step_figs: Dict[int, StepFigures] = {}
+        self._loss_scale = 1.0  # of the backward the next check reads (step(loss_scale=...))
         self._recording: Dict[int, Tuple[StepRecorder, List[nn.Module], StepFigures]] = {}
         self._in_step = False
         self.measure_in_step = check_bool("measure_in_step", measure_in_step)
@@ -437,13 +438,21 @@ class CertificateMonitor:
         return float(self._power((k, sub), mv, rmv, 1, w.shape[1])[0])
 
     # -- the check ------------------------------------------------------------------------------------------
-    def step(self) -> Optional[Dict[str, Any]]:
+    def step(self, loss_scale: Union[float, Any, None] = None) -> Optional[Dict[str, Any]]:
         """Count one training step; on a checked step compute, record and return the figures.
 
         Call it once per training step, after ``loss.backward()`` (the batch figures need the
         gradient) and before ``optimizer.step()`` (so the certificate is for the weights that produced
         the batch).  Returns the record on a checked step, else ``None``.
+
+        Args:
+            loss_scale: the scale the loss was multiplied by before this backward (a number, or the
+                ``torch.amp.GradScaler`` itself: its current scale).  The measured costates are divided by it, so
+                the backward headroom reads the unscaled gradients: a scaled gradient past ``M`` is a skipped step
+                the scaler absorbs, an unscaled one is a scaler that has to fall below 1.  ``None``: the loss was
+                not scaled.
         """
+        self._loss_scale = self._scale_of(loss_scale)
         record = None
         self._drop_recordings()  # a forward that raised inside an update left its recorder running
         if self.step_count % self.every == 0:
@@ -453,9 +462,18 @@ class CertificateMonitor:
             finally:
                 self._stacklevel = 5
         self.step_count += 1
-        self._captures, self._batch, self._step_figs = {}, None, {}
+        self._captures, self._batch, self._step_figs, self._loss_scale = {}, None, {}, 1.0
         self._arm()
         return record
+
+    @staticmethod
+    def _scale_of(loss_scale: Any) -> float:
+        if loss_scale is None:
+            return 1.0
+        get = getattr(loss_scale, "get_scale", None)
+        value = get() if callable(get) else loss_scale
+        return check_real("loss_scale", float(value) if isinstance(value, torch.Tensor) else value, gt=0.0,
+                          note="the loss scale of this backward (a GradScaler's get_scale())")
 
     def check(self) -> Dict[str, Any]:
         """Compute the figures now (weights as they are, batch figures from the last captured forward)."""
@@ -514,8 +532,16 @@ class CertificateMonitor:
         calls = [Call(n, m, c["x"], c["rest"][0], c["rest"][1], c["v"], c["where"] if ups.io(k)[0] is m else 0)
                  for k, (n, m, c) in enumerate(zip(ups.names, ups.modules, caps))]
         grad = caps[-1]["grad"]
+        scale = self._loss_scale
+        rec["data/loss_scale"] = scale
+        if scale != 1.0 and grad is not None:  # the costates of the unscaled loss (step(loss_scale=...))
+            grad = grad / scale
         kappas = {k: rec[f"{n}/kappa"] for k, n in enumerate(ups.names) if rec.get(f"{n}/kappa") is not None}
         figs = [self._step_figs.get(k) for k in range(len(calls))]
+        if scale != 1.0:
+            for f in figs:
+                if f is not None and f.costate is not None:
+                    f.costate = f.costate / scale
         model = type(self._model.module).__name__
         rec["data/measured_in_step"] = in_step = (grad is not None and self._watch.measured_next()
                                                   and all(f is not None and f.complete for f in figs))
