@@ -103,6 +103,8 @@ class Envelope:
             checked with one norm per forward); ``None`` when ``r0`` is derived from the weights (a zoo model's
             embedding bound holds for every input) and is not checked.
         strict: raise :class:`~certblocks.CertificationError` at a forward outside the envelope instead of warning.
+        quiet: record without warning (a model built with ``certify=False`` claims no certificate; its
+            ``certificate()`` is still computed at the envelope used).  ``strict`` raises all the same.
 
     Attributes:
         dtype: the narrowest dtype the certified policy computes in (the dtype itself for a pure one).
@@ -112,9 +114,10 @@ class Envelope:
     """
 
     def __init__(self, owner: str, dtype: Any, seq_len: Optional[int] = None, r0: Optional[float] = None, *,
-                 strict: bool = False) -> None:
+                 strict: bool = False, quiet: bool = False) -> None:
         self.owner = owner
         self.strict = strict
+        self.quiet = quiet
         self.warned: set = set()
         self.seen_dtype: Optional[str] = None
         self.seen_seq_len: Optional[int] = None
@@ -190,7 +193,7 @@ class Envelope:
             from .stack import CertificationError
 
             raise CertificationError(msg)
-        if not key <= self.warned:
+        if not self.quiet and not key <= self.warned:
             self.warned |= key
             warnings.warn(msg, EnvelopeWarning, stacklevel=stacklevel)
 

@@ -198,7 +198,8 @@ class CertifiedStack(nn.Module):
     dtype warns once with :class:`~certblocks.model.EnvelopeWarning` (raises :class:`CertificationError` when
     ``envelope.strict``), and :meth:`certificate` is then computed at the envelope used.  The check costs a shape
     and a dtype comparison and one per-token norm of the input per forward; it is skipped under ``torch.compile``
-    and ``torch.export``.
+    and ``torch.export``.  A stack refused at construction (``build_stack(..., certify=False)``) records the
+    envelope without warning (``quiet``): it has no certified envelope to leave.
 
     Attributes:
         blocks: the velocities, in depth order.
@@ -212,7 +213,8 @@ class CertifiedStack(nn.Module):
 
     def __init__(self, blocks: Sequence[nn.Module], certificate: StackCertificate, *, dt: float,
                  r0: float, lip_g: float, seq_len: int | None = None,
-                 explicit: Sequence[BlockCertificate | None] | None = None, strict: bool = False) -> None:
+                 explicit: Sequence[BlockCertificate | None] | None = None, strict: bool = False,
+                 quiet: bool = False) -> None:
         from .envelope import Envelope
 
         super().__init__()
@@ -223,7 +225,7 @@ class CertifiedStack(nn.Module):
         self.lip_g = float(lip_g)
         self.seq_len = seq_len
         self._explicit = list(explicit) if explicit is not None else [None] * len(blocks)
-        self.envelope = Envelope("CertifiedStack", self.dtype, seq_len, self.r0, strict=strict)
+        self.envelope = Envelope("CertifiedStack", self.dtype, seq_len, self.r0, strict=strict, quiet=quiet)
         self._certificate = certificate
         self._certified_key = self._key(self.dtype, seq_len, self.r0)
 
@@ -348,7 +350,7 @@ def build_stack(blocks: Iterable[BlockSpec], dtype: Union[str, torch.dtype], *, 
     modules, certs, explicit = _split(blocks, seq_len)
     cert = certify_stack(certs, as_precision(dtype), dt=dt, r0=r0, lip_g=lip_g)
     stack = CertifiedStack(modules, cert, dt=dt, r0=r0, lip_g=lip_g, seq_len=seq_len, explicit=explicit,
-                           strict=strict)
+                           strict=strict, quiet=not cert.ok)  # a refused stack has no envelope to leave
     if certify and not cert.ok:
         raise CertificationError(_error_message(cert, _fixes(stack, cert)), cert)
     return stack

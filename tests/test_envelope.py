@@ -221,3 +221,32 @@ def test_conversion_swapped_blocks_and_module_repr_compute_nothing(monkeypatch) 
     calls = _count_certifications(monkeypatch)
     repr(model), repr(cm)  # noqa: B018
     assert calls == []
+
+
+def test_uncertified_models_record_without_warning() -> None:
+    """A stack refused at construction (``certify=False``) and a zoo model built with ``certify=False`` claim no
+    certificate: a forward outside the envelope is recorded (``certificate()`` follows it) but does not warn; a
+    certified stack still warns; ``strict`` still raises."""
+    from certblocks.zoo import create_model
+
+    torch.manual_seed(0)
+    refused = build_stack([MLP(8, 16) for _ in range(40)], "fp16", r0=1.0, certify=False)
+    assert not refused.certificate().ok and refused.envelope.quiet
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EnvelopeWarning)
+        refused(_tokens(5, norm=4.0))
+    assert refused.envelope.seen_r0 is not None and refused.certificate().r0 > 1.0
+    refused.envelope.strict = True
+    with pytest.raises(CertificationError, match="r0"):
+        refused(_tokens(5, norm=4.0))
+
+    ok = build_stack([MLP(8, 16) for _ in range(2)], "fp32", r0=1.0, certify=False)
+    assert ok.certificate().ok and not ok.envelope.quiet
+    with pytest.warns(EnvelopeWarning, match="r0"):
+        ok(_tokens(5, norm=4.0))
+
+    model = create_model("gpt2_qknorm_test", certify=False).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EnvelopeWarning)
+        model.half()(torch.randint(0, 64, (1, 8)))
+    assert model.certificate().dtype == "fp16"

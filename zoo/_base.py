@@ -253,7 +253,7 @@ class ZooModel(nn.Module, HubMixin, metaclass=abc.ABCMeta):
 
         check_bool("certify", certify)
         self.cert_dtype = as_precision(cert_dtype if cert_dtype is not None else DEFAULT_CERT_DTYPE).name
-        self.envelope = Envelope(type(self).__name__, self.cert_dtype)
+        self.envelope = Envelope(type(self).__name__, self.cert_dtype, quiet=not certify)  # certify=False: no claim
         if not certify:
             return
         cert = self.certificate()
