@@ -137,6 +137,10 @@ def _lower_bound(it: VelocityInterpreter, n: torch.fx.Node, depth: int) -> Optio
         lo, hi = lower_bound(it, b.get("self"), depth + 1), lower_bound(it, b.get("other"), depth + 1)
         if lo is not None and hi is not None and lo >= 0 and hi >= 0:
             cands.append(lo * hi)  # a product of entries >= lo >= 0 and >= hi >= 0
+    elif t == "aten.sqrt" and n.args:  # monotone: sqrt(y) >= sqrt(m) for y >= m >= 0 (IEEE sqrt rounds correctly)
+        lo = lower_bound(it, n.args[0], depth + 1)
+        if lo is not None and lo >= 0:
+            cands.append(math.sqrt(lo) * (1.0 - 2.0 ** -52))  # below the float64 rounding of the exact root
     elif t in ("aten.copy", "aten.fill_"):
         cands.append(lower_bound(it, b.get("src", b.get("value")), depth + 1))
     elif t in ("aten.mean", "aten.sum") and n.args:

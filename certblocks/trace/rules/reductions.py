@@ -148,7 +148,31 @@ def norm(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AV
 
 @register_rule("aten.var", "aten.std", reads=("self", "dim", "unbiased", "correction"), via_shape=("keepdim",))
 def var(it: VelocityInterpreter, n: torch.fx.Node, a: Args, shape: Shape) -> AValue:
-    return unknown(shape, f"{op_name(n.target)} outside a recognized normalization has no rule")
+    """The standard deviation over ``dim`` of ``k`` entries with correction ``c`` is ``||P x|| / sqrt(k - c)``, ``P``
+    the centering (an orthogonal projection): the Euclidean norm's bounds (:func:`norm`) times ``1 / sqrt(k - c)``,
+    1-Lipschitz up to that factor.  The variance is its square (the entrywise power 2 of the standard deviation:
+    ``|var| <= s^2``, slope ``2 s`` times the standard deviation's).  ``k - c <= 0`` (an inf or NaN output) is
+    refused."""
+    x = a["self"]
+    dims = _reduce_dims(a, x.ndim)
+    k = _count(x, dims)
+    corr = a.get("correction")
+    c = float(corr) if corr is not None else (1.0 if a.get("unbiased", True) else 0.0)
+    name = op_name(n.target)
+    if not k - c > 0:
+        return unknown(shape, f"{name} of {k} entries with correction {c:g} (k - c <= 0: inf or NaN)")
+    f = (1.0 if dims == [max(x.ndim, 1) - 1] else math.sqrt(k)) / math.sqrt(k - c)
+    dd = sqrt_last(shape)
+    m = None if x.growth is None else x.growth.scale(f)
+    jac = None if x.jacobian is None else x.jacobian.scale(f)  # the standard deviation's slope, per entry
+    if name == "aten.std":
+        return AValue(exps=E.compose(E.LIPSCHITZ, x.exps), shape=shape, growth=None if m is None else m.scale(dd),
+                      max_abs=m, jacobian=None if jac is None else jac.scale(dd), sign="+",
+                      rule="standard deviation (a centered Euclidean norm / sqrt(k - c))")
+    return AValue(exps=E.compose(E.power(2.0), E.compose(E.LIPSCHITZ, x.exps)), shape=shape,
+                  growth=None if m is None else (m * m).scale(dd), max_abs=None if m is None else m * m,
+                  jacobian=None if m is None or jac is None else (m * jac).scale(2.0 * dd), sign="+",
+                  rule="variance (the square of a centered Euclidean norm / sqrt(k - c))")
 
 
 @register_rule("aten.cumsum", reads=("self", "dim", "dtype"))
