@@ -45,9 +45,10 @@ __all__ = ["GPT2DyT", "GPT2DyTBlock"]
 INIT_VALUES = 0.05
 #: The initial ``alpha`` of the query and key DyTs.
 QK_ALPHA_INIT = 1.0
-#: The saturation of the small sizes (tiny, mini): ``alpha_init`` 3 and ``qk_alpha_init`` 10, the best of the pilot
-#: on the digits ViT (docs/dyt.md); at 124M these leave no round branch gain >= 5e-4 that certifies in fp16 (the
-#: attention's Jacobian bound grows with ``qk_alpha`` and the width), so 124M keeps the DyT paper's 0.5 and 1.
+#: The saturation of the small sizes (tiny, mini; ViT-Ti, ViT-S): ``alpha_init`` 3 and ``qk_alpha_init`` 10, the best
+#: of the pilot on the digits ViT (docs/dyt.md).  The attention's Jacobian bound grows with ``qk_alpha`` and the width:
+#: at ViT-B these leave no round branch gain >= 5e-4 that certifies in fp16, so the base sizes (ViT-B, 124M) keep the
+#: DyT paper's 0.5 and 1.
 SHARP = {"alpha_init": 3.0, "qk_alpha_init": 10.0}
 #: The certification dtype of the family.
 CERT_DTYPE = "fp16"
