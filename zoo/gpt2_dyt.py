@@ -9,7 +9,7 @@ and the head is ``lm_head(ln_f(x))`` with ``ln_f`` a DyT and ``lm_head`` tied to
 ``gamma * tanh(alpha x) + beta`` has no ``eps`` (:mod:`certblocks.blocks.dyt`): every update is (0, 0) with a Jacobian
 bound ``g L_f(B) max |alpha gamma|`` that does not depend on the radius, the head's ``Lip(G)`` is
 ``||W_lm|| max |alpha gamma| sqrt(2)``, and the backward budget ``log(M / Lip(G))`` of fp16 (about 10 nats) covers
-every size of the zoo at its default branch gains (``init_values``; docs/zoo.md, "Certified in pure fp16").
+every size of the zoo at its default branch gains (``init_values``; docs/dyt.md, "The zoo models").
 Module names follow nanoGPT's (``transformer.h.{i}.ln_1``, ``.attn.c_attn``, ``.attn.c_proj``, ``.ln_2``,
 ``transformer.ln_f``), with the MLP's ``mlp.fc1`` / ``mlp.fc2`` as :class:`~certblocks.zoo.GPT2QKNorm`.
 

@@ -11,7 +11,7 @@ Their blocks are :class:`DyTViTBlock`, timm's pre-norm ``Block`` with every norm
 :class:`~certblocks.blocks.QKDyTAttention` (a DyT on each head's queries and keys; timm names ``qkv``, ``q_norm``,
 ``k_norm``, ``proj``) and ``x + ls2(mlp(norm2(x)))`` (``fc1``, ``fc2``); the final ``norm`` is a DyT too.  Every
 update is (0, 0) with a Jacobian bound that does not depend on the radius, so the fp16 budget covers ViT-Ti/S/B at
-their default branch gains (timm's LayerScale ``ls1`` / ``ls2``, ``init_values``; docs/zoo.md).
+their default branch gains (timm's LayerScale ``ls1`` / ``ls2``, ``init_values``; docs/dyt.md).
 
 ``norm="layer"`` and ``qk_norm=None`` build the same architecture with LayerNorms and plain attention: the Pre-LN
 ViT the accuracy comparison trains against (``benchmarks/experiments/dyt_accuracy.py``).

@@ -139,7 +139,7 @@ def test_pre_dyt_bound_is_independent_of_the_radius():
 
 
 def test_qk_dyt_has_no_eps_factor():
-    """The decision of docs/zoo.md: behind a DyT, the query/key DyT's Jacobian G = max |alpha gamma| replaces the RMS
+    """The choice of docs/dyt.md: behind a DyT, the query/key DyT's Jacobian G = max |alpha gamma| replaces the RMS
     QK-norm's ||g|| / sqrt(eps) (1000 at eps 1e-6), and its bound is below plain attention's kappa B^2 term."""
     from certblocks.blocks import QKNormAttention
 

@@ -1,6 +1,6 @@
 """The DyT zoo: every model certified in pure fp16 at its defaults (full size, at initialization, head included), the
 defaults the largest round gains that certify, timm registration, and the whole models searched for counterexamples
-(docs/zoo.md, "Certified in pure fp16")."""
+(docs/dyt.md, "The zoo models")."""
 
 from __future__ import annotations
 
