@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from certified_defaults import digits_data, gpt_batch, lr_at, param_groups, spread, vit_batches  # noqa: E402
+from certified_defaults import digits_data, gpt_batch, gpt_eval, lr_at, param_groups, spread, vit_batches  # noqa: E402
 from monitor_gpt import stdlib_bytes  # noqa: E402
 
 _BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -112,20 +112,6 @@ def build_gpt(variant: str, seed: int, args: argparse.Namespace) -> nn.Module:
     name, kw = GPT_MODELS[variant]
     torch.manual_seed(seed)
     return create_model(name, vocab_size=256, block_size=args.gpt_block, **kw, **(QUICK_GPT if args.quick else {}))
-
-
-@torch.no_grad()
-def gpt_eval(model: nn.Module, val: torch.Tensor, args: argparse.Namespace) -> float:
-    """Validation bits per byte over ``args.gpt_eval_batches`` fixed batches (seed 1234), the loss in float32."""
-    model.eval()
-    g = torch.Generator().manual_seed(1234)
-    total = 0.0
-    for _ in range(args.gpt_eval_batches):
-        x, y = gpt_batch(val, args.gpt_block, args.gpt_batch, g)
-        logits, _ = model(x)
-        total += float(F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1)))
-    model.train()
-    return total / args.gpt_eval_batches / math.log(2)
 
 
 def gpt_run(variant: str, seed: int, lr: float, data: Tuple[torch.Tensor, torch.Tensor], args: argparse.Namespace,
@@ -407,6 +393,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=OUT_JSON)
     args = p.parse_args(argv)
+    args.bf16 = False  # certified_defaults.gpt_eval's autocast flag: the runs here hold the model in its own dtype
     if args.merge:
         return merge(args.merge, args.out)
     if not (args.gpt or args.vit or args.pure):
