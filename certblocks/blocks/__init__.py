@@ -8,6 +8,7 @@ replace a module have a ``from_module`` classmethod that builds them from it and
 """
 
 from .attention import Attention, QKNorm, QKNormAttention
+from .dyt import DyT, PreNormed, QKDyTAttention
 from .gain import LayerScale, ScaledBranch
 from .mamba import LinearGrowthMamba, Mamba
 from .mlp import MLP, GatedMLP
@@ -17,6 +18,7 @@ from .rotary import RotaryQKNormAttention
 
 __all__ = [
     "Attention",
+    "DyT",
     "GatedMLP",
     "LayerScale",
     "LinearGrowthMamba",
@@ -25,6 +27,8 @@ __all__ = [
     "NormedUpdate",
     "PatchTSTBlock",
     "PatchTSTUpdate",
+    "PreNormed",
+    "QKDyTAttention",
     "QKNorm",
     "QKNormAttention",
     "RotaryQKNormAttention",

@@ -7,16 +7,26 @@ import dataclasses
 import logging
 import math
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from torch import nn
 
 from .._format import fmt_num
-from .._validation import check_bool, check_callable
+from .._validation import check_bool, check_callable, check_real
 from ..certificate import BlockCertificate, StackCertificate
 from ..exponents import NORM, Exponents
 from ..fixes import Lever, compute_fixes, recertify
-from .builtin import BRANCH_NAMES, GAIN_SLOTS, IdentityNorm, from_package, gain_lever, insert_gains, residual_norm
+from .builtin import (
+    BRANCH_NAMES,
+    GAIN_SLOTS,
+    IdentityNorm,
+    from_package,
+    gain_lever,
+    insert_gains,
+    is_normalizer,
+    norm_converter,
+    residual_norm,
+)
 from .registry import Converter, converter_for
 from .report import ABSENT, ConversionError, ConversionReport, ConversionWarning, DepthChange, Swap
 
@@ -46,6 +56,14 @@ def _build(conv: Converter, src: nn.Module, model: nn.Module, path: str) -> nn.M
 CONFIG_KEY = "certblocks_conversion"
 
 
+def _dyt_alpha(value: Union[float, Callable[[str, nn.Module], float]]) -> Callable[[str, nn.Module], float]:
+    """``dyt_alpha`` as a function of the normalizer (a number: the same for every one)."""
+    if callable(value):
+        return value
+    alpha = check_real("dyt_alpha", value, gt=0.0, note="the DyTs' initial alpha, or a callable(path, module)")
+    return lambda path, module: alpha
+
+
 def _record(report: ConversionReport, plan: Sequence[Tuple[nn.Module, str, str, nn.Module, Optional[Converter]]],
             gained: Sequence[str]) -> None:
     """Write the conversion into an HF model's ``config`` (saved by ``save_pretrained``; :func:`load_converted`)."""
@@ -54,6 +72,8 @@ def _record(report: ConversionReport, plan: Sequence[Tuple[nn.Module, str, str, 
         return
     record = {"version": 1, "converted": {path: conv.name for _, _, path, _, conv in plan if conv is not None},
               "norms": [path for _, _, path, _, conv in plan if conv is None], "gains": list(gained)}
+    if any(conv is not None and conv.kind == "norm" for *_, conv in plan):  # convert(norm="dyt")
+        record["norm"] = "dyt"
     report._undo.append((cfg, CONFIG_KEY, getattr(cfg, CONFIG_KEY, ABSENT)))
     setattr(cfg, CONFIG_KEY, record)
 
@@ -165,9 +185,15 @@ def _left_above(target: nn.Module, plan: Sequence[Tuple[nn.Module, str, str, nn.
 
 
 # ---------------------------------------------------------------------------------------------- convert
+#: ``alpha`` of the DyTs ``convert(model, norm="dyt")`` puts in: the DyT paper's default (its ``alpha_0``).
+DYT_ALPHA = 0.5
+
+
 def convert(model: nn.Module, *, filter_fn: Optional[Callable[[str, nn.Module], bool]] = None,
-            remove_norms: bool = False, inplace: bool = False, example_input: Any = None, dtype: str = "bf16",
-            r0: float = 1.0, dtypes: Sequence[str] = REPORT_DTYPES, strict: bool = False) -> ConversionReport:
+            remove_norms: bool = False, norm: Optional[str] = None,
+            dyt_alpha: Union[float, Callable[[str, nn.Module], float]] = DYT_ALPHA, inplace: bool = False,
+            example_input: Any = None, dtype: str = "bf16", r0: float = 1.0, dtypes: Sequence[str] = REPORT_DTYPES,
+            strict: bool = False) -> ConversionReport:
     """Swap the modules of ``model`` that certblocks knows for their certified replacements.
 
     Args:
@@ -180,6 +206,13 @@ def convert(model: nn.Module, *, filter_fn: Optional[Callable[[str, nn.Module], 
         inplace: modify ``model`` itself (default: a deep copy is converted and ``model`` is untouched).
         example_input: an input for ``model`` (tensor, tuple or dict); when given, the tracer derives the
             model's certificate before and after the conversion, and the certified depths per dtype.
+        norm: ``"dyt"``: replace every normalizer (LayerNorm, RMSNorm -- the residual branches', the final one before
+            the head, a QK-norm's) by a :class:`~certblocks.blocks.DyT` whose ``gamma`` / ``beta`` are its ``weight`` /
+            ``bias`` and nothing else (the blocks are kept: behind a DyT every update is (0, 0) whatever its branch,
+            and an RMS QK-norm swapped in would bring back the ``1/sqrt(eps)`` a DyT removes; docs/theory.md section
+            7.2).  ``None`` (default): the normalizers are kept (or removed: ``remove_norms``).
+        dyt_alpha: the DyTs' initial ``alpha``: a number (default 0.5, the DyT paper's) or ``dyt_alpha(path,
+            module) -> float`` per normalizer (the paper's LLaMA recipe takes a larger one before attention).
         dtype: the dtype of :attr:`ConversionReport.certificate_before` / ``_after``.
         r0: the input radius of those certificates.
         dtypes: the dtypes of the before/after depths (:attr:`ConversionReport.depths`).
@@ -194,6 +227,9 @@ def convert(model: nn.Module, *, filter_fn: Optional[Callable[[str, nn.Module], 
     check_callable("filter_fn", filter_fn, "callable(path, module) -> bool", optional=True)
     for name, flag in (("remove_norms", remove_norms), ("inplace", inplace), ("strict", strict)):
         check_bool(name, flag)
+    if norm is not None and remove_norms:
+        raise ValueError(f"norm={norm!r} replaces the normalizers and remove_norms=True removes them: pass one")
+    alpha_of = _dyt_alpha(dyt_alpha)
     from ..budget import dtype_name
 
     dtype = dtype_name(dtype)
@@ -210,7 +246,12 @@ def convert(model: nn.Module, *, filter_fn: Optional[Callable[[str, nn.Module], 
 
     plan: List[Tuple[nn.Module, str, str, nn.Module, Optional[Converter]]] = []  # parent, attr, path, module, how
     skip_under: List[str] = []
-    for path, mod in target.named_modules():
+    if norm is not None:  # the normalizers only
+        paths = {id(m): p for p, m in target.named_modules()}
+        conv_norm = norm_converter(norm, alpha_of, paths)
+        plan = [(target.get_submodule(p.rpartition(".")[0]), p.rpartition(".")[2], p, m, conv_norm)
+                for p, m in target.named_modules() if p and is_normalizer(m) and (filter_fn is None or filter_fn(p, m))]
+    for path, mod in target.named_modules() if norm is None else ():
         if any(path.startswith(p + ".") for p in skip_under):
             continue
         conv = converter_for(mod) if path else None

@@ -3,17 +3,18 @@ and the branch gains put into timm blocks (the ``init_values`` lever)."""
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from ..exponents import Exponents
 from ..fixes import Lever
+from .registry import Converter
 from .registry import builtin as _builtin
 
-__all__ = ["ROTARY_ATTENTIONS", "IdentityNorm", "BRANCH_NAMES", "GAIN_SLOTS", "from_package", "residual_norm",
-           "insert_gains", "gain_lever"]
+__all__ = ["ROTARY_ATTENTIONS", "IdentityNorm", "BRANCH_NAMES", "GAIN_SLOTS", "NORM_TARGETS", "from_package",
+           "residual_norm", "insert_gains", "gain_lever", "is_normalizer", "norm_converter"]
 
 RESIDUAL_NORM_NAMES = ("norm", "norm1", "norm2", "ln_1", "ln_2", "input_layernorm", "post_attention_layernorm",
                        "pre_norm", "attn_norm", "mlp_norm", "ffn_norm", "norm_attn", "norm_ffn")
@@ -248,3 +249,40 @@ def gain_lever(model: nn.Module, path: str) -> Optional[Lever]:
         return None
     return Lever("init_values", g, False, lambda cert, v: scaled_certificate(cert, v / g))
 
+
+
+# ---------------------------------------------------------------------------------------------- normalizers -> DyT
+#: What ``convert(model, norm=...)`` replaces the normalizers with.
+NORM_TARGETS = ("dyt",)
+
+
+def is_normalizer(m: nn.Module) -> bool:
+    """A LayerNorm or RMSNorm over one last dimension (torch's, timm's, HF's: ``LlamaRMSNorm``, ...), not a DyT."""
+    from ..blocks.dyt import DyT
+
+    if isinstance(m, DyT) or not _is_norm(m) or type(m).__name__.endswith("LayerNorm2d"):
+        return False
+    shape = getattr(m, "normalized_shape", None)
+    weight = getattr(m, "weight", None)
+    if shape is not None:
+        return len(tuple(shape) if not isinstance(shape, int) else (shape,)) == 1
+    return isinstance(weight, torch.Tensor) and weight.ndim == 1
+
+
+def norm_converter(target: str, alpha: Callable[[str, nn.Module], float], paths: Dict[int, str]) -> Converter:
+    """The converter of ``convert(model, norm=target)``: a normalizer -> :class:`~certblocks.blocks.DyT` with its
+    ``weight`` / ``bias`` as ``gamma`` / ``beta`` and ``alpha = alpha(path, module)`` (``paths``: module id -> path).
+
+    Not in the registry's list (a norm is converted only when asked): :func:`~certblocks.conversion.convert` plans
+    its swaps with it.
+    """
+    from ..blocks.dyt import DyT
+    from ..exponents import NORM
+
+    if target not in NORM_TARGETS:
+        raise ValueError(f"norm must be one of {NORM_TARGETS} or None, got {target!r}")
+
+    def build(src: nn.Module, model: nn.Module) -> nn.Module:
+        return DyT.from_module(src, alpha_init=alpha(paths.get(id(src), ""), src))
+
+    return Converter("norm_to_dyt", is_normalizer, build, "norm", NORM)

@@ -69,7 +69,8 @@ def load_converted(source: Union[str, os.PathLike, nn.Module], checkpoint: Any =
     if isinstance(record, dict):
         wanted = set(record.get("converted", {})) | set(record.get("norms", []))
         rep = convert(model, inplace=True, remove_norms=bool(record.get("norms")) if remove_norms is None
-                      else remove_norms, filter_fn=filter_fn or (lambda path, m: path in wanted))
+                      else remove_norms, norm=record.get("norm"),
+                      filter_fn=filter_fn or (lambda path, m: path in wanted))
         done = {s.path for s in rep.swaps}
         lost = sorted(wanted - done)
         if lost:

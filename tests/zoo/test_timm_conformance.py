@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PEER = ROOT.parent / "shared" / "peer-tests" / "timm" / "test_models.py"
 needs_peer = pytest.mark.skipif(not PEER.is_file(), reason="timm's model tests not in ../shared/peer-tests/timm")
 
-#: the sizes run here: ViT-Ti only, to keep `make test` short (about 25 s).  ViT-S and ViT-B are the same classes
-#: and code paths at other widths; the README's command runs all three (they pass the same tests).
-MODELS = ("certblocks_vit_tiny_patch16_224",)
+#: the sizes run here: ViT-Ti only of each family (QK-norm, DyT), to keep `make test` short.  ViT-S and ViT-B are the
+#: same classes and code paths at other widths; the README's command runs all of them (they pass the same tests).
+MODELS = ("certblocks_vit_tiny_patch16_224", "certblocks_vit_dyt_tiny_patch16_224")
 #: what timm's test_models.py selects for a certblocks_vit_* model, less test_model_default_cfgs (NCHW only)
 PEER_TESTS = ("test_model_forward", "test_model_backward", "test_model_forward_torchscript",
               "test_model_forward_features", "test_model_forward_fx", "test_model_backward_fx",
@@ -85,8 +85,9 @@ def test_timm_vit_tests_pass():
 def test_the_certified_vits_are_the_zoo_models_registered_with_timm():
     """The conformance runs above select ``certblocks_vit``: every model the zoo registers with timm matches it."""
     ours = [n for n in timm.list_models() if timm.models.model_entrypoint(n).__module__.startswith("certblocks.")]
-    assert sorted(ours) == ["certblocks_vit_base_patch16_224", "certblocks_vit_small_patch16_224",
-                            "certblocks_vit_tiny_patch16_224"]
+    assert sorted(ours) == ["certblocks_vit_base_patch16_224", "certblocks_vit_dyt_base_patch16_224",
+                            "certblocks_vit_dyt_small_patch16_224", "certblocks_vit_dyt_tiny_patch16_224",
+                            "certblocks_vit_small_patch16_224", "certblocks_vit_tiny_patch16_224"]
 
 
 # -- the certified ViT as a feature backbone (small sizes, in process) ----------------------------------------------
