@@ -3,13 +3,13 @@
 Decide before training, for a given depth and dtype, whether the forward state or the gradient of a
 residual stack ``X_{k+1} = X_k + dt * v_k(X_k)`` can reach the largest finite value of the dtype.
 
-The top level holds what a user needs on the first day (16 names):
+The top level holds what a user needs on the first day (17 names):
 
 * certify a model: :func:`certify` (any ``nn.Module``, from its graph), :func:`as_certified` (any model as a
   :class:`~certblocks.model.CertifiedModel`: ``.certificate(dtype)``, ``.fixes(dtype)``), :func:`build_stack`;
 * make one certifiable: :func:`convert` (swap certified blocks into a backbone), the headline blocks
   :class:`LinearGrowthMamba`, :class:`QKNormAttention`, :class:`RotaryQKNormAttention`, :class:`GatedMLP`,
-  :class:`MLP`;
+  :class:`MLP` and :class:`DyT` (the normalizer without eps of the models certified in pure fp16);
 * train it: :class:`CertificateMonitor`, :class:`CertificateWarning`, :func:`enforce`, :func:`trajectory`;
 * read the answer: :class:`BlockCertificate`, :class:`StackCertificate`, :class:`CertificationError`.
 
@@ -55,6 +55,7 @@ _LAZY: Dict[str, str] = {
     "RotaryQKNormAttention": "certblocks.blocks",
     "GatedMLP": "certblocks.blocks",
     "MLP": "certblocks.blocks",
+    "DyT": "certblocks.blocks",
 }
 
 #: names that were at the top level before the API was made small -> where they live now.  They still import from
@@ -86,7 +87,7 @@ _SUBMODULES = ("budget", "certificate", "exponents", "conversion", "enforcement"
                "monitor", "model", "ondata", "fixes")
 
 if TYPE_CHECKING:  # what static checkers and IDEs see; nothing is imported at run time
-    from .blocks import MLP, GatedMLP, LinearGrowthMamba, QKNormAttention, RotaryQKNormAttention
+    from .blocks import MLP, DyT, GatedMLP, LinearGrowthMamba, QKNormAttention, RotaryQKNormAttention
     from .certificate import BlockCertificate, StackCertificate
     from .conversion import convert
     from .enforcement import enforce
@@ -136,4 +137,5 @@ __all__ = [
     "RotaryQKNormAttention",
     "GatedMLP",
     "MLP",
+    "DyT",
 ]

@@ -21,7 +21,7 @@ Certificate defaults: ``r0 = max_i ||wte_i|| + max_j ||wpe_j||``, ``seq_len = bl
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -91,7 +91,7 @@ def pre_normed_velocities(block: nn.Module, prefix: str, triples: Tuple[Tuple[st
                           ) -> List[Tuple[str, nn.Module]]:
     """``(path, view)`` of a block's pre-normalized updates, each ``(norm, branch, gain)`` a triple of its children's
     names (the gain an ``nn.Identity`` when there is none); the path is the branch's, as the tracer names it."""
-    out = []
+    out: List[Tuple[str, nn.Module]] = []
     for norm, branch, ls in triples:
         gain = getattr(block, ls)
         view = PreNormed(getattr(block, norm), getattr(block, branch), gain if isinstance(gain, LayerScale) else None,
@@ -157,7 +157,7 @@ class GPT2DyT(GPT2QKNorm):
         embedding weights N(0, 0.02), the residual projections N(0, 0.02 / sqrt(2 n_layer)), biases 0, the DyTs at
         their initial ``alpha``, ``gamma = 1``, ``beta = 0``, LayerNorms 1 and 0, branch gains ``init_values``."""
         std_proj = 0.02 / (2 * self.n_layer) ** 0.5
-        seen = set()
+        seen: Set[int] = set()
         with torch.no_grad():
             for mname, mod in self.named_modules():
                 if isinstance(mod, DyT):

@@ -166,9 +166,8 @@ def gpt_run(variant: str, seed: int, lr: float, data: Tuple[torch.Tensor, torch.
 
 # -- ViT -------------------------------------------------------------------------------------------------------
 def build_vit(variant: str, seed: int, args: argparse.Namespace) -> nn.Module:
-    import timm
-
     import certblocks.zoo  # noqa: F401  (registers the certblocks ViTs with timm)
+    import timm
 
     name, kw = VIT_MODELS[variant]
     torch.manual_seed(seed)

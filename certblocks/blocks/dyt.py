@@ -43,6 +43,7 @@ from torch import nn
 
 from .. import bounds
 from .._validation import check_bool, check_cert_args, check_choice, check_finite, check_int, check_real
+from ..bounds.poly import power_terms
 from ..certificate import BlockCertificate, Peak
 from ..exponents import QK_NORM_ATTENTION, SATURATING, Exponents
 from ..fixes import Lever
@@ -451,7 +452,8 @@ class QKDyTAttention(_SelfAttention):
         base = super()._peak(n)
         slope = max(self.q_norm.alpha_bound() * max(n.wq), self.k_norm.alpha_bound() * max(n.wk))
         const = max(self.q_norm.alpha_bound(), self.k_norm.alpha_bound()) * n.b_in
-        return bounds.fold_peak([{base.q: base.c, 0.0: base.b}, {1.0: slope, 0.0: const}, {0.0: 1.0}], base.what)
+        return bounds.fold_peak([power_terms(base.q, base.c, base.b), {1.0: slope, 0.0: const}, {0.0: 1.0}],
+                                base.what)
 
     @classmethod
     def from_module(cls, src: nn.Module, *, qk_alpha_init: float = 1.0, **overrides: Any) -> QKDyTAttention:
