@@ -24,8 +24,10 @@ _FORMS = "timm:<name>, hf:gpt2, hf:mamba, hf:llama or module:pkg.mod:factory"
 #: The names ``certblocks.zoo.list_models(include_test=True)`` gives: a zoo MODEL is checked against them without
 #: importing torch (``tests/zoo/test_zoo_cli.py`` keeps them in step with the registry).
 ZOO_NAMES = (
-    "certblocks_vit_base_patch16_224", "certblocks_vit_small_patch16_224", "certblocks_vit_test",
-    "certblocks_vit_tiny_patch16_224", "gpt2_qknorm_124m", "gpt2_qknorm_mini", "gpt2_qknorm_test", "gpt2_qknorm_tiny",
+    "certblocks_vit_base_patch16_224", "certblocks_vit_dyt_base_patch16_224", "certblocks_vit_dyt_small_patch16_224",
+    "certblocks_vit_dyt_test", "certblocks_vit_dyt_tiny_patch16_224", "certblocks_vit_small_patch16_224",
+    "certblocks_vit_test", "certblocks_vit_tiny_patch16_224", "gpt2_dyt_124m", "gpt2_dyt_mini", "gpt2_dyt_test",
+    "gpt2_dyt_tiny", "gpt2_qknorm_124m", "gpt2_qknorm_mini", "gpt2_qknorm_test", "gpt2_qknorm_tiny",
     "mamba_forecaster_free", "mamba_forecaster_free_test", "mamba_forecaster_lg", "mamba_forecaster_lg_test",
     "mamba_forecaster_periln", "mamba_forecaster_periln_test", "mamba_forecaster_preln", "mamba_forecaster_preln_test",
     "mamba_forecaster_rms", "mamba_forecaster_rms_test", "patchtst_noln", "patchtst_noln_test", "patchtst_periln",
