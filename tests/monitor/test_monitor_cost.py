@@ -128,7 +128,7 @@ class _Counting(StepRecorder):
 def test_armed_only_when_due(monkeypatch: pytest.MonkeyPatch) -> None:
     """``every=3``: the recorders run in the forwards of steps 0 and 3 only; ``estimate_every=2``: a check with the
     estimates is not measured in its step (its Lanczos needs the separate passes)."""
-    monkeypatch.setattr("certblocks.monitor.StepRecorder", _Counting)
+    monkeypatch.setattr("certblocks._monitor_hooks.StepRecorder", _Counting)
     st = _stack().train()
     x = (torch.randn(2, 5, 16) * 2.0).requires_grad_(True)
     mon = CertificateMonitor(st, "fp32", every=3)
