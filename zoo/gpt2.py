@@ -100,6 +100,21 @@ class GPT2LoadReport:
                 f"{len(self.initialized)} initialized (QK-norm scales, branch gains)")
 
 
+def gpt_config(model: nn.Module, n_layer: int, n_head: int, n_embd: int, block_size: int, vocab_size: int,
+               bias: bool, dropout: float) -> float:
+    """Check and set the nanoGPT configuration the GPT-2 zoo models share (``n_layer``, ``n_head``, ``n_embd``,
+    ``block_size``, ``vocab_size`` as attributes of ``model``); returns the checked ``dropout``."""
+    model.n_layer = check_int("n_layer", n_layer)
+    model.n_head = check_int("n_head", n_head)
+    model.n_embd = check_int("n_embd", n_embd)
+    model.block_size = check_int("block_size", block_size)
+    model.vocab_size = check_int("vocab_size", vocab_size)
+    check_bool("bias", bias)
+    if n_embd % n_head:
+        raise ValueError(f"n_head={n_head} must divide n_embd={n_embd}")
+    return check_prob("dropout", dropout)
+
+
 class GPT2QKNorm(ZooModel):
     """GPT-2 without LayerNorm in its residual updates, QK-normalized attention and a GELU MLP.
 
@@ -123,6 +138,11 @@ class GPT2QKNorm(ZooModel):
     """
 
     transformer: Any  # nn.ModuleDict(wte, wpe, drop, h, ln_f), nanoGPT's layout, read by attribute
+    n_layer: int
+    n_head: int
+    n_embd: int
+    block_size: int
+    vocab_size: int
 
     def __init__(self, n_layer: int = 12, n_head: int = 12, n_embd: int = 768, block_size: int = 1024,
                  vocab_size: int = 50304, bias: bool = True, dropout: float = 0.0, *, act: str = "gelu",
@@ -130,17 +150,9 @@ class GPT2QKNorm(ZooModel):
                  certify: bool = True,
                  cert_dtype: Any = None, device=None, dtype=None) -> None:
         super().__init__()
-        self.n_layer = check_int("n_layer", n_layer)
-        self.n_head = check_int("n_head", n_head)
-        self.n_embd = check_int("n_embd", n_embd)
-        self.block_size = check_int("block_size", block_size)
-        self.vocab_size = check_int("vocab_size", vocab_size)
-        check_bool("bias", bias)
-        dropout = check_prob("dropout", dropout)
+        dropout = gpt_config(self, n_layer, n_head, n_embd, block_size, vocab_size, bias, dropout)
         check_real("qk_norm_eps", qk_norm_eps, positive=True)
         self.init_values = check_init_values(init_values) if init_values else None  # None or 0: no gains
-        if n_embd % n_head:
-            raise ValueError(f"n_head={n_head} must divide n_embd={n_embd}")
         dd = {"device": "meta", "dtype": dtype}  # built without values, then materialized and initialized once
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(vocab_size, n_embd, **dd),

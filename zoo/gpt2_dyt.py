@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 import torch
 from torch import nn
 
-from certblocks._validation import check_bool, check_choice, check_int, check_prob, check_real
+from certblocks._validation import check_choice, check_real
 from certblocks.blocks.attention import Attention
 from certblocks.blocks.dyt import ALPHA_INIT, DyT, PreNormed, QKDyTAttention, dyt_linear_head
 from certblocks.blocks.gain import LayerScale, check_init_values
@@ -35,7 +35,7 @@ from certblocks.certificate import BlockCertificate
 
 from ._base import normed_linear_head
 from ._registry import register_model
-from .gpt2 import GPT2QKNorm
+from .gpt2 import GPT2QKNorm, gpt_config
 
 __all__ = ["GPT2DyT", "GPT2DyTBlock"]
 
@@ -122,20 +122,12 @@ class GPT2DyT(GPT2QKNorm):
                  qk_alpha_init: float = QK_ALPHA_INIT, init_values: Optional[float] = INIT_VALUES,
                  certify: bool = True, cert_dtype: Any = None, device=None, dtype=None) -> None:
         nn.Module.__init__(self)
-        self.n_layer = check_int("n_layer", n_layer)
-        self.n_head = check_int("n_head", n_head)
-        self.n_embd = check_int("n_embd", n_embd)
-        self.block_size = check_int("block_size", block_size)
-        self.vocab_size = check_int("vocab_size", vocab_size)
-        check_bool("bias", bias)
-        dropout = check_prob("dropout", dropout)
+        dropout = gpt_config(self, n_layer, n_head, n_embd, block_size, vocab_size, bias, dropout)
         self.norm_kind = check_choice("norm", norm, _NORMS)
         self.qk_norm = check_choice("qk_norm", qk_norm, ("dyt", None))
         self.alpha_init = check_real("alpha_init", alpha_init, gt=0.0)
         self.qk_alpha_init = check_real("qk_alpha_init", qk_alpha_init, gt=0.0)
         self.init_values = check_init_values(init_values) if init_values else None  # None or 0: no gains
-        if n_embd % n_head:
-            raise ValueError(f"n_head={n_head} must divide n_embd={n_embd}")
         dd = {"device": "meta", "dtype": dtype}  # built without values, then materialized and initialized once
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(vocab_size, n_embd, **dd),
