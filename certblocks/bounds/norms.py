@@ -382,6 +382,27 @@ def _block_gram(a: torch.Tensor) -> torch.Tensor:
     return g
 
 
+#: Rows read into float64 at a time for a Gram matrix (about 64 MB of float64 per chunk): a large matrix (an
+#: embedding table) is never copied whole into float64.
+GRAM_CHUNK_ELEMENTS = 1 << 23
+
+
+def _row_chunked_gram(a: torch.Tensor, as64: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``fl(A^T A)`` of a batch ``(B, m, k)`` read into float64 by ``as64`` in chunks of rows, the chunks' Gram
+    matrices (:func:`_block_gram`) summed.  Every entry is still an inner product of length ``m``, summed in another
+    order: the rounding bound of step 1 (``gamma_m |A|^T |A|``) holds for any order of summation."""
+    B, m, k = a.shape
+    rows = max(1, GRAM_CHUNK_ELEMENTS // max(B * k, 1))
+    if rows >= m:
+        return _block_gram(as64(a))
+    g = None
+    for r0 in range(0, m, rows):
+        part = _block_gram(as64(a[:, r0:r0 + rows]))
+        g = part if g is None else g.add_(part)
+    assert g is not None
+    return g
+
+
 def _cholesky_completes(shifted: torch.Tensor) -> List[bool]:
     """Whether the float64 Cholesky factorization of each matrix of ``shifted`` (overwritten) runs to completion.
 
@@ -477,11 +498,15 @@ def _fast_bounds(a: torch.Tensor) -> List[float]:
     todo = [i for i in range(B) if out[i] is None]
     if not todo:
         return [float(x) for x in out]  # type: ignore[arg-type]
-    a64 = (a if len(todo) == B else a[todo]).to(torch.float64)
-    if any(exps[i] for i in todo):
-        a64 = a64 * torch.tensor([2.0 ** -exps[i] for i in todo], dtype=torch.float64,
-                                 device=a64.device).reshape(-1, 1, 1)
-    g = _block_gram(a64)
+    src = a if len(todo) == B else a[todo]
+    scale = torch.tensor([2.0 ** -exps[i] for i in todo], dtype=torch.float64, device=a.device).reshape(-1, 1, 1) \
+        if any(exps[i] for i in todo) else None
+
+    def as64(rows: torch.Tensor) -> torch.Tensor:  # exact (a power of two), rows of every matrix of the batch
+        r64 = rows.to(torch.float64)
+        return r64 if scale is None else r64 * scale
+
+    g = _row_chunked_gram(src, as64)
     # a NaN or an infinity reaches the diagonal (a sum of squares); >= the exact sum of the computed diagonal
     fro2 = (g.diagonal(dim1=-2, dim2=-1).sum(-1) * (1.0 + _gamma(k) + u)).cpu().tolist()
     live = []
@@ -495,7 +520,8 @@ def _fast_bounds(a: torch.Tensor) -> List[float]:
     if not live:
         return [float(x) for x in out]  # type: ignore[arg-type]
     if len(live) < len(todo):
-        todo, a64, g, fro2 = [todo[j] for j in live], a64[live], g[live], [fro2[j] for j in live]
+        todo, src, g, fro2 = [todo[j] for j in live], src[live], g[live], [fro2[j] for j in live]
+        scale = None if scale is None else scale[live]
     d_gram = [_up(_gamma(m) * f / (1.0 - _gamma(m)) + 2.0 * k * m * _ETA, 4) for f in fro2]
     theta, used = _krylov_top(g)
     pending = list(range(len(todo)))
@@ -526,8 +552,9 @@ def _fast_bounds(a: torch.Tensor) -> List[float]:
             lam = _up(ts[idx] + u * top[idx] + c_k * trace[idx] + d_eta + d_gram[j], 8)
             out[todo[j]] = _unscale(lam, m, k, exps[todo[j]])
         pending = still
-    for j in pending:  # no step factored: the tight path on the same Gram matrix
-        out[todo[j]] = _unscale(_tight_sq(a64[j], g[j]), m, k, exps[todo[j]])
+    for j in pending:  # no step factored: the tight path on the same Gram matrix (its float64 matrix read again)
+        a64 = src[j].to(torch.float64) * (1.0 if scale is None else float(scale[j]))
+        out[todo[j]] = _unscale(_tight_sq(a64, g[j]), m, k, exps[todo[j]])
     return [float(x) for x in out]  # type: ignore[arg-type]
 
 

@@ -236,6 +236,37 @@ def test_block_gram_is_the_gram_matrix():
     assert torch.equal(torch.tril(g, -1), torch.triu(g, 1).mT)  # the lower blocks copy the upper ones
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_a_gram_read_in_row_chunks_keeps_every_bound(monkeypatch, dtype):
+    """A large matrix's float64 Gram matrix is formed from chunks of rows (never a whole float64 copy): the same
+    Gram up to rounding, every bound above the SVD norm and within the fast factor, scaled float64 matrices, zero and
+    non-finite ones and the tight fallback included."""
+    gen = torch.Generator().manual_seed(12)
+    w = torch.stack([_family(f, (520, 300), gen) for f in ("gaussian", "ill_conditioned", "all_ones")])
+    w[1] *= 1e-200 if dtype == torch.float64 else 1.0
+    w = torch.cat([w, torch.zeros(1, 520, 300, dtype=torch.float64)]).to(dtype)
+    whole = bounds.op_norms(w)
+    seen = []
+    block = norms._block_gram
+    monkeypatch.setattr(norms, "_block_gram", lambda a: seen.append(a.shape[1]) or block(a))
+    monkeypatch.setattr(norms, "GRAM_CHUNK_ELEMENTS", 4 * 300 * 64)  # 64 rows of the batch of 4 at a time
+    chunked = bounds.op_norms(w)
+    assert max(seen) == 64 and len(seen) >= 520 // 64
+    for g_whole, g_chunked, m in zip(whole, chunked, w):
+        e = _exact(m)
+        assert e <= g_chunked <= e * FACTOR and g_chunked == pytest.approx(g_whole, rel=1e-12, abs=0.0)
+    a = w[:1].double()
+    g = norms._row_chunked_gram(a, lambda rows: rows.to(torch.float64))
+    assert torch.allclose(g, a.mT @ a, rtol=0, atol=1e-12 * float((a.mT @ a).abs().max()))
+    monkeypatch.setattr(norms, "_cholesky_completes", lambda shifted: [False] * shifted.shape[0])
+    for got, m in zip(bounds.op_norms(w), w):  # the tight fallback reads its matrix again
+        e = _exact(m)
+        assert e <= got <= e * (1 + 2 * bounds.margin(520, 300) + 1e-13)
+    bad = w[:1].clone()
+    bad[0, 3, 4] = float("nan")
+    assert bounds.op_norms(bad) == [math.inf]
+
+
 def test_small_and_complex_matrices_take_the_tight_path():
     gen = torch.Generator().manual_seed(10)
     w = torch.randn(300, 200, generator=gen, dtype=torch.float64)  # smaller side <= FAST_MIN
