@@ -263,6 +263,28 @@ def test_convert_llama_prints_depths_before_and_after(capsys):
     assert "largest q of a residual update: before 0, after 1" in out
 
 
+def test_convert_takes_precision_policies(capsys, monkeypatch):
+    """``--dtype`` takes mixed policies: their rows come from graphs captured under the policy before and after (the
+    conversion's tracer is called with ``precision=``), beside the pure dtypes'."""
+    pytest.importorskip("transformers")
+    from certblocks.conversion import api
+
+    seen = []
+    trace = api._trace
+    monkeypatch.setattr(api, "_trace", lambda *a, **k: seen.append(k.get("precision")) or trace(*a, **k))
+    code, out, _ = run(capsys, "convert", "hf:gpt2", "--layers", "2", "--dtype", "amp-fp16,fp16,fp8-e4m3")
+    assert code in (0, 1), out
+    rows = {ln.split()[0]: ln.split() for ln in out.splitlines() if ln.split()[:1] in (["amp-fp16"], ["fp16"],
+                                                                                       ["fp8-e4m3"])}
+    assert set(rows) == {"amp-fp16", "fp16", "fp8-e4m3"}, out
+    for cells in rows.values():
+        (b, nb), (a, na) = (map(int, c.split("/")) for c in cells[1:3])
+        assert nb == na == 4 and int(cells[3]) == a - b
+    assert seen.count("amp-fp16") == 2 and seen.count("fp8-e4m3") == 2 and seen.count(None) == 2, seen
+    code, _, err = run(capsys, "convert", "hf:gpt2", "--dtype", "amp-fp17")
+    assert code == 2 and "amp-fp17" in err
+
+
 def test_convert_unknown_form_is_one_line(capsys):
     code, _, err = run(capsys, "convert", "resnet50")
     assert code == 2

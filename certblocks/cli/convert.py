@@ -14,13 +14,13 @@ from ._common import (
     EXIT_NOT_CERTIFIED,
     add_quiet,
     command,
+    dtype_list,
     int_at_least,
     nonnegative_float,
     progress_of,
-    pure_dtype_list,
 )
 
-#: The dtypes of the before/after table (a conversion compares pure dtypes).
+#: The dtypes of the before/after table by default (mixed precision policies are accepted too).
 DEFAULT_DTYPES = ("fp16", "bf16", "fp32")
 
 __all__ = ["add_arguments", "run_convert"]
@@ -30,8 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``certblocks convert``."""
     p.add_argument("model",
                    help="timm:NAME (e.g. timm:vit_tiny_patch16_224), hf:gpt2, hf:llama or hf:mamba (random weights)")
-    p.add_argument("--dtype", type=pure_dtype_list, default=",".join(DEFAULT_DTYPES),
-                   help="comma-separated dtypes (default fp16,bf16,fp32)")
+    p.add_argument("--dtype", type=dtype_list, default=",".join(DEFAULT_DTYPES),
+                   help="comma-separated dtypes and precision policies (amp-fp16, amp-bf16, fsdp-bf16, fp8-e4m3; "
+                        "default fp16,bf16,fp32)")
     p.add_argument("--remove-norms", action="store_true", help="also replace the residual branches' norms")
     p.add_argument("--layers", type=int_at_least(1), default=None,
                    help="number of layers/blocks, >= 1 (default: the model's)")
@@ -59,10 +60,13 @@ def run_convert(args: argparse.Namespace) -> int:
     from certblocks.conversion import ConversionError, ConversionWarning, convert
 
     dtypes = args.dtype
+    from certblocks.precision import as_precision
+
+    main = next((d for d in dtypes if as_precision(d).pure), "bf16")  # the before/after certificates' dtype
     try:
         with warnings.catch_warnings(), progress.logging_steps():  # the table below says it
             warnings.simplefilter("ignore", ConversionWarning)
-            rep = convert(model, remove_norms=args.remove_norms, example_input=example, dtype=dtypes[0],
+            rep = convert(model, remove_norms=args.remove_norms, example_input=example, dtype=main,
                           r0=args.r0, dtypes=dtypes, strict=args.strict)
     except ConversionError as e:
         print(f"{args.model}: refused: {e}")

@@ -16,6 +16,7 @@ from .._validation import check_bool, check_callable, check_real
 from ..certificate import BlockCertificate, StackCertificate
 from ..exponents import NORM, Exponents
 from ..fixes import Lever, compute_fixes, recertify
+from ..precision import as_precision
 from .builtin import (
     BRANCH_NAMES,
     GAIN_SLOTS,
@@ -79,13 +80,17 @@ def _record(report: ConversionReport, plan: Sequence[Tuple[nn.Module, str, str, 
 
 
 # ---------------------------------------------------------------------------------------------- checks
-def _trace(model: nn.Module, example_input: Any, dtype: str, r0: float) -> Tuple[Optional[StackCertificate], str]:
+def _trace(model: nn.Module, example_input: Any, dtype: str, r0: float,
+           precision: Optional[str] = None) -> Tuple[Optional[StackCertificate], str]:
+    """The model's chain certified in ``dtype`` from its graph (captured under ``precision``, a mixed policy's name,
+    when given: each value then bounded in the dtype it is held in); ``(None, why)`` when the tracer fails."""
     from ..trace import ModelCertificate, certify
 
     was = model.training
     model.eval()
     try:
-        cert = certify(model, example_input)
+        cert = certify(model, example_input) if precision is None else \
+            certify(model, example_input, precision=precision)
         if not isinstance(cert, ModelCertificate):
             return None, "the tracer found no residual update in the model"
         return cert.stack(dtype, r0=r0), ""
@@ -93,6 +98,13 @@ def _trace(model: nn.Module, example_input: Any, dtype: str, r0: float) -> Tuple
         return None, f"{type(e).__name__}: {e}"
     finally:
         model.train(was)
+
+
+def _mixed_stacks(model: nn.Module, example_input: Any, names: Sequence[str], r0: float
+                  ) -> Dict[str, Optional[StackCertificate]]:
+    """The chain under each mixed precision policy of ``names`` (pure dtypes are :meth:`StackCertificate.in_dtype`
+    of one capture), each from a graph captured under it; ``None`` where the tracer fails."""
+    return {n: _trace(model, example_input, n, r0, precision=n)[0] for n in names if not as_precision(n).pure}
 
 
 def _own_module(model: nn.Module, u: BlockCertificate) -> Optional[nn.Module]:
@@ -215,7 +227,8 @@ def convert(model: nn.Module, *, filter_fn: Optional[Callable[[str, nn.Module], 
             module) -> float`` per normalizer (the paper's LLaMA recipe takes a larger one before attention).
         dtype: the dtype of :attr:`ConversionReport.certificate_before` / ``_after``.
         r0: the input radius of those certificates.
-        dtypes: the dtypes of the before/after depths (:attr:`ConversionReport.depths`).
+        dtypes: the dtypes or precision policies of the before/after depths (:attr:`ConversionReport.depths`): a
+            mixed policy (``"amp-fp16"``, ``"fp8-e4m3"``, ...) certifies graphs captured under it, before and after.
         strict: raise :class:`ConversionError` (and leave ``model`` as it was) when a swap lowers the certified
             depth in one of ``dtypes``; by default a :class:`ConversionWarning` says so.
 
@@ -235,12 +248,14 @@ def convert(model: nn.Module, *, filter_fn: Optional[Callable[[str, nn.Module], 
     dtype = dtype_name(dtype)
     if isinstance(dtypes, str):
         raise TypeError(f"dtypes must be a sequence of dtype names, got the string {dtypes!r}")
-    table_dtypes = list(dict.fromkeys([dtype_name(d) for d in dtypes] + [dtype]))
+    table_dtypes = list(dict.fromkeys([as_precision(d).name for d in dtypes] + [dtype]))
     target = model if inplace else copy.deepcopy(model)
     report = ConversionReport(target, dtype=dtype)
+    mixed_before: Dict[str, Optional[StackCertificate]] = {}
     if example_input is not None:
         _log.info("capture and certify the model before conversion")
         report.certificate_before, report.trace_error_before = _trace(target, example_input, dtype, r0)
+        mixed_before = _mixed_stacks(target, example_input, table_dtypes, r0)
     else:
         report.trace_error_before = "no example_input given"
 
@@ -328,7 +343,18 @@ def convert(model: nn.Module, *, filter_fn: Optional[Callable[[str, nn.Module], 
             refuse("remove_norms=True left residual updates above (1, 1): " + "; ".join(above))
     if before_cert is not None and after_cert is not None:
         _log.info("certified depths before and after, fixes")
-        report.depths = [_depth_change(before_cert.in_dtype(d), after_cert.in_dtype(d), target) for d in table_dtypes]
+        mixed_after = _mixed_stacks(target, example_input, table_dtypes, r0)
+        report.depths = []
+        for d in table_dtypes:
+            if d in mixed_after:  # a mixed policy: its own captures before and after
+                b, a = mixed_before.get(d), mixed_after[d]
+                if b is None or a is None:
+                    report.notes.append(f"{d}: no depths (the tracer failed under the policy "
+                                        f"{'before' if b is None else 'after'} the conversion)")
+                    continue
+                report.depths.append(_depth_change(b, a, target))
+            else:
+                report.depths.append(_depth_change(before_cert.in_dtype(d), after_cert.in_dtype(d), target))
         lowered = [d for d in report.depths if d.lowered]
         if lowered:
             msg = ("the conversion lowers the certified depth: " + "; ".join(str(d) for d in lowered)
