@@ -28,7 +28,7 @@ input has at most that norm, dropout inactive), ``seq_len = block_size``, ``cert
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple, Type
 
 import torch
 import torch.nn.functional as F
@@ -138,6 +138,8 @@ class GPT2QKNorm(ZooModel):
     """
 
     transformer: Any  # nn.ModuleDict(wte, wpe, drop, h, ln_f), nanoGPT's layout, read by attribute
+    #: module types :meth:`_init_weights` initializes by their own ``reset_parameters()`` (a subclass's normalizers)
+    _self_initialized: Tuple[Type[nn.Module], ...] = ()
     n_layer: int
     n_head: int
     n_embd: int
@@ -180,9 +182,13 @@ class GPT2QKNorm(ZooModel):
         raises (it would hold uninitialized memory).
         """
         std_proj = 0.02 / (2 * self.n_layer) ** 0.5
-        seen = set()
+        seen: Set[int] = set()
         with torch.no_grad():
             for mname, mod in self.named_modules():
+                if isinstance(mod, self._self_initialized):  # a module with its own initialization (a DyT)
+                    mod.reset_parameters()  # type: ignore[operator]  # nn.Module types it as a Tensor | Module
+                    seen.update(id(p) for p in mod.parameters())
+                    continue
                 for pname, p in mod.named_parameters(recurse=False):
                     if id(p) in seen:  # the tied lm_head / wte weight, drawn once (as wte)
                         continue
@@ -198,7 +204,7 @@ class GPT2QKNorm(ZooModel):
                     elif pname == "weight" and isinstance(mod, (nn.Linear, nn.Embedding)):
                         p.normal_(0.0, std_proj if name.endswith(("attn.c_proj.weight", "mlp.fc2.weight")) else 0.02)
                     else:
-                        raise RuntimeError(f"GPT2QKNorm._init_weights has no rule for {name!r} "
+                        raise RuntimeError(f"{type(self).__name__}._init_weights has no rule for {name!r} "
                                            f"({type(mod).__name__}): it would stay uninitialized")
 
     # -- ZooModel ------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ Certificate defaults: ``r0 = max_i ||wte_i|| + max_j ||wpe_j||``, ``seq_len = bl
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -116,6 +116,8 @@ class GPT2DyT(GPT2QKNorm):
         device, dtype: as for torch layers.
     """
 
+    _self_initialized = (DyT,)  # _init_weights: each DyT at its alpha_init, gamma 1, beta 0
+
     def __init__(self, n_layer: int = 12, n_head: int = 12, n_embd: int = 768, block_size: int = 1024,
                  vocab_size: int = 50304, bias: bool = True, dropout: float = 0.0, *, act: str = "gelu",
                  norm: str = "dyt", qk_norm: Optional[str] = "dyt", alpha_init: float = ALPHA_INIT,
@@ -143,35 +145,6 @@ class GPT2DyT(GPT2QKNorm):
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as nanoGPT (after to_empty, which unties)
         self._init_weights()
         self._certify_or_refuse(certify, CERT_DTYPE if cert_dtype is None else cert_dtype)
-
-    def _init_weights(self) -> None:
-        """nanoGPT's initialization (as :class:`~certblocks.zoo.GPT2QKNorm`'s), every parameter set once: Linear and
-        embedding weights N(0, 0.02), the residual projections N(0, 0.02 / sqrt(2 n_layer)), biases 0, the DyTs at
-        their initial ``alpha``, ``gamma = 1``, ``beta = 0``, LayerNorms 1 and 0, branch gains ``init_values``."""
-        std_proj = 0.02 / (2 * self.n_layer) ** 0.5
-        seen: Set[int] = set()
-        with torch.no_grad():
-            for mname, mod in self.named_modules():
-                if isinstance(mod, DyT):
-                    mod.reset_parameters()
-                    seen.update(id(p) for p in mod.parameters())
-                    continue
-                for pname, p in mod.named_parameters(recurse=False):
-                    if id(p) in seen:  # the tied lm_head / wte weight, drawn once (as wte)
-                        continue
-                    seen.add(id(p))
-                    name = f"{mname}.{pname}"
-                    if isinstance(mod, LayerScale) and pname == "gamma":
-                        p.fill_(mod.init_values)
-                    elif pname == "bias":
-                        p.zero_()
-                    elif pname == "weight" and isinstance(mod, nn.LayerNorm):
-                        p.fill_(1.0)
-                    elif pname == "weight" and isinstance(mod, (nn.Linear, nn.Embedding)):
-                        p.normal_(0.0, std_proj if name.endswith(("attn.c_proj.weight", "mlp.fc2.weight")) else 0.02)
-                    else:
-                        raise RuntimeError(f"GPT2DyT._init_weights has no rule for {name!r} ({type(mod).__name__}): "
-                                           "it would stay uninitialized")
 
     def head_certificate(self) -> BlockCertificate:
         """``lm_head(ln_f(x))``: ``Lip(G) = ||W_lm|| max |alpha gamma|`` (DyT) or ``||W_lm|| G(ln_f)`` (LayerNorm)."""
