@@ -1,5 +1,5 @@
-"""The zoo's tables: README.md (fp16, bf16) and docs/zoo.md (fp16, bf16, fp32), one row per registered model, in the
-generator's format and with its verdict.
+"""The zoo's tables: README.md (fp16, bf16) and docs/zoo.md (fp16, amp-fp16, bf16, fp8-e4m3, fp32: the generator's
+default columns), one row per registered model, in the generator's format and with its verdict.
 
 The fast tests check the rows against the registry (names, families), the generator's row format (the generator run
 on the test sizes), the two pages against each other, and that every certified model says yes in bf16.  Regenerating
@@ -16,12 +16,13 @@ import pytest
 
 pytest.importorskip("timm")
 from certblocks import zoo  # noqa: E402  (the package, not certblocks.zoo: one import order in and out of a checkout)
-from certblocks.cli.zoo import zoo_table  # noqa: E402
+from certblocks.cli.zoo import DEFAULT_DTYPES, zoo_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 #: page -> the dtypes of its zoo table (the README shows two, docs/zoo.md every one the generator prints by default)
 PAGES: Dict[Path, Tuple[str, ...]] = {ROOT / "README.md": ("fp16", "bf16"),
-                                      ROOT / "docs" / "zoo.md": ("fp16", "bf16", "fp32")}
+                                      ROOT / "docs" / "zoo.md": ("fp16", "amp-fp16", "bf16", "fp8-e4m3", "fp32")}
+README, DOCS = PAGES
 
 
 def _row(n: int) -> re.Pattern[str]:
@@ -54,10 +55,15 @@ def test_page_has_one_row_per_model_with_its_family(page):
     assert _header(page) in page.read_text().splitlines(), f"{page.name}: no table header {_header(page)!r}"
 
 
+def test_the_docs_page_has_the_generators_default_columns():
+    assert PAGES[DOCS] == DEFAULT_DTYPES
+
+
 def test_the_readme_rows_are_the_docs_rows_for_their_dtypes():
     readme, docs = (_rows(p) for p in PAGES)
+    columns = [PAGES[DOCS].index(dtype) for dtype in PAGES[README]]
     for name, (family, depth, verdicts, _) in readme.items():
-        assert (family, depth, verdicts) == (docs[name][0], docs[name][1], docs[name][2][:2]), name
+        assert (family, depth, verdicts) == (docs[name][0], docs[name][1], [docs[name][2][c] for c in columns]), name
 
 
 def test_generator_rows_have_the_pages_format_and_the_certified_defaults_say_yes():
@@ -68,18 +74,17 @@ def test_generator_rows_have_the_pages_format_and_the_certified_defaults_say_yes
         assert table.splitlines()[0] == _header(page)
         for name, (_, _, verdicts, _) in _rows(page).items():
             if not zoo.model_entry(name).baseline:  # every certified zoo model is certified at its defaults in bf16
-                assert verdicts[1].startswith("yes"), (page.name, name, verdicts)
+                assert verdicts[dtypes.index("bf16")].startswith("yes"), (page.name, name, verdicts)
 
 
 @pytest.mark.slow
 def test_the_pages_are_what_the_generator_prints_today():
-    """Every full-size model certified again (about 15-30 s on 2 cores): `certblocks zoo --markdown` is the source of
-    both tables (README: `--dtype fp16,bf16`)."""
-    table = zoo_table(zoo.list_models(), ("fp16", "bf16", "fp32"), markdown=True)
-    generated = {line.split("|")[1].strip(): line for line in table.splitlines()[2:]}
+    """Every full-size model certified again (about 45 s of CPU): `certblocks zoo --markdown` (its default columns) is
+    the source of both tables (README: its fp16 and bf16 columns, `--dtype fp16,bf16`)."""
+    table = zoo_table(zoo.list_models(), PAGES[DOCS], markdown=True)
+    generated = {line.split("|")[1].strip(): line.split("|")[1:-1] for line in table.splitlines()[2:]}
     for page, dtypes in PAGES.items():
+        keep = list(range(4)) + [4 + PAGES[DOCS].index(dtype) for dtype in dtypes]
         for name, (*_, line) in _rows(page).items():
-            want = generated[name]
-            if len(dtypes) == 2:  # the README drops the last column
-                want = want.rsplit("|", 2)[0] + "|"
+            want = "|" + "|".join(generated[name][c] for c in keep) + "|"
             assert line == want, f"{page.name} is stale for {name}: regenerate with `certblocks zoo --markdown`"
