@@ -106,9 +106,37 @@ def certify(rank: int, kind: str, layers: int) -> Dict[str, Any]:
             "units": len(blocks(model)) + 1}
 
 
+def monitor(rank: int, kind: str) -> Dict[str, Any]:
+    """The monitor on an FSDP2 model (the zoo model: each block and the root sharded; the stack: its root), SGD
+    steps on the global batch, ``monitor.step()`` called as on one process: no ``unshard()`` / ``reshard()``."""
+    from torch.distributed.tensor import DTensor
+
+    from certblocks.monitor import CertificateMonitor
+
+    workers = importlib.import_module("_cb_dist_workers")
+    model = workers.build(kind)
+    shard(model, list(model.transformer.h) if kind == "zoo" else [])
+    sharded = all(isinstance(p, DTensor) for p in model.parameters())
+    mon = CertificateMonitor(model, "fp32", every=1, threshold=-1e9, kappa_growth=None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    seen, losses, after = {"calls": 0, "peak": 0}, [], []
+    for s in range(STEPS):
+        x, y = workers.batch(kind, s)
+        opt.zero_grad()
+        loss = workers.loss_of(kind, model, x, y)
+        loss.backward()
+        with counting(model, seen):
+            mon.step()
+        after.append(unsharded_units(model))
+        opt.step()
+        losses.append(float(loss.detach()))
+    return {"records": mon.records, "weights": workers.weights(model), "losses": losses, "sharded": sharded,
+            "seen": seen, "after": after, "units": 1 + (len(model.transformer.h) if kind == "zoo" else 0)}
+
+
 def entry(scenario: str, rank: int, port: int, out_dir: str, kwargs: Dict[str, Any]) -> None:
     """Process entry: a scenario of this module run by tests/distributed's common entry point (it joins the gloo
     group of :data:`WORLD` ranks, writes ``<out_dir>/<rank>.pt``, or ``<rank>.err`` with a traceback)."""
     workers = importlib.import_module("_cb_dist_workers")
-    workers.SCENARIOS.update({"fsdp_certify": certify})
+    workers.SCENARIOS.update({"fsdp_certify": certify, "fsdp_monitor_unassisted": monitor})
     workers.entry(scenario, rank, port, out_dir, kwargs)

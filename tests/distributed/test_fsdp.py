@@ -70,3 +70,23 @@ def test_fsdp2_model_certified_one_unit_at_a_time(tmp_path: Any, kind: str, laye
         assert res["seen"]["calls"] >= res["units"], f"rank {r}: {res['seen']}"
         assert res["seen"]["peak"] == 1, f"rank {r}: {res['seen']['peak']} units unsharded at once"
         assert res["after"] == 0 and res["after_stacks"] == 0, f"rank {r}"
+
+
+@pytest.mark.parametrize("kind", ["zoo", "stack"])
+def test_fsdp2_monitor_without_manual_unshard(tmp_path: Any, kind: str) -> None:
+    """The monitor checks every step of an FSDP2 model on its own (no ``unshard()`` by the user): each figure equals
+    the one-process run's (as with the manual unshard, tests/distributed/test_distributed.py), one unit unsharded at a
+    time, every unit sharded again after each check."""
+    D = importlib.import_module("test_distributed")
+    ref = D._single(kind)
+    ranks = _run("fsdp_monitor_unassisted", str(tmp_path), kind=kind)
+    for r, out in enumerate(ranks):
+        assert out["sharded"], f"rank {r}: the model was not sharded"
+        D._has_batch_figures(out["records"])
+        D._assert_records_equal(out["records"], ranks[0]["records"], what=f"rank {r} vs rank 0")
+        D._assert_records_equal(out["records"], ref["records"], rel=1e-6, what=f"rank {r} vs single process")
+        D._assert_weights_equal(out["weights"], ref["weights"], rtol=1e-6)
+        assert out["losses"] == pytest.approx(ref["losses"], rel=1e-6)
+        assert out["seen"]["calls"] >= W.STEPS * out["units"], f"rank {r}: {out['seen']}"
+        assert out["seen"]["peak"] == 1, f"rank {r}: {out['seen']['peak']} units unsharded at once"
+        assert out["after"] == [0] * W.STEPS, f"rank {r}"
