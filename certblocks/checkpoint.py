@@ -34,7 +34,7 @@ import os
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import nn
@@ -356,9 +356,11 @@ def certify_checkpoint(path: Union[str, os.PathLike], *, seq_len: int = 8, examp
 
 
 def _certify_owned(g: Any, model_name: str, what: str, owners: Dict[str, int], rank: int, world: int, group: Any,
-                   weights: Optional[_Weights] = None) -> Any:
+                   weights: Optional[_Weights] = None, certify: Optional[Callable[[Any, Any], Dict[int, Any]]] = None
+                   ) -> Any:
     """The chain of the graph (every value computed), this rank's segments certified (those whose output node it
-    owns), gathered from every rank and assembled (:func:`certblocks.trace.api._certify_chain`)."""
+    owns, or ``certify(g, chain)``'s: an FSDP2 model's, :mod:`certblocks._fsdp`), gathered from every rank and
+    assembled (:func:`certblocks.trace.api._certify_chain`)."""
     from .trace.api import _certify_chain, certify_segment
     from .trace.chain import model_chain
     from .trace.residual import find_residual_updates
@@ -369,7 +371,8 @@ def _certify_owned(g: Any, model_name: str, what: str, owners: Dict[str, int], r
         why = chain.notes[0] if chain is not None and chain.notes else "it has no residual update on one path"
         raise ValueError(f"{what} is not one chain of residual updates ({why}): certify the loaded model with "
                          "certblocks.certify instead")
-    certs = {k: certify_segment(g, s, k) for k, s in enumerate(chain.segments) if owners[s.end.name] == rank}
+    certs = certify(g, chain) if certify is not None else \
+        {k: certify_segment(g, s, k) for k, s in enumerate(chain.segments) if owners[s.end.name] == rank}
     if weights is not None:
         weights.drop()
     if world > 1:
@@ -390,6 +393,8 @@ def certify_ranks(module: nn.Module, example_input: Any, *, group: Any = None) -
     rank ``r`` certifies the segments of its contiguous range of layers and the segments' certificates are gathered
     (``all_gather_object``): every rank returns :func:`certblocks.certify`'s certificate (``residual="auto"``), in
     about ``1 / world`` of its time.  Without an initialized process group: :func:`certblocks.certify` itself.
+    An FSDP2 model (``fully_shard``) is certified with one unit unsharded at a time, the ranks sharing each unit's
+    segments (:func:`certblocks._fsdp.certify_fsdp`).
 
     Args:
         module: the model (in eval mode for a certificate of the model as it runs in inference: dropout off).
@@ -407,6 +412,10 @@ def certify_ranks(module: nn.Module, example_input: Any, *, group: Any = None) -
 
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    from ._fsdp import certify_fsdp, is_fsdp
+
+    if is_fsdp(module):  # sharded: one unit unsharded at a time (certblocks._fsdp)
+        return certify_fsdp(module, example_input, group=group)
     rank, world = _process_group(None, group)
     check_finite(module)
     args, kwargs = as_args(example_input)

@@ -116,6 +116,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
+from ._fsdp import Units, is_fsdp
 from ._monitor_hooks import MonitorHooks
 from ._validation import NonFiniteWeightError, check_bool, check_callable, check_finite, check_int, check_real
 from .blocks.stats import power_norm as _power_step
@@ -232,6 +233,8 @@ class CertificateMonitor(MonitorHooks):
         self.updates: Optional[CertifiedModel] = None if cm.kind == "graph" else cm
         self._model = cm
         self.model = model
+        # FSDP2 (fully_shard): a check unshards each update's unit in turn, then reshards it (certblocks._fsdp.Units)
+        self._units = Units(cm.module) if cm.module is not None and is_fsdp(cm.module) else None
         self.records: List[Dict[str, Any]] = []
         self.alerts: List[Dict[str, Any]] = []
         self.step_count = 0
@@ -341,7 +344,17 @@ class CertificateMonitor(MonitorHooks):
     def check(self) -> Dict[str, Any]:
         """Compute the figures now (weights as they are, batch figures from the last captured forward)."""
         with one_thread():  # small float64 linear algebra: one thread is much faster here
-            return self._check()
+            try:
+                return self._check()
+            finally:
+                self._hold(())  # FSDP2: the units the check unsharded are sharded again
+
+    def _hold(self, modules: Any, outside: bool = False) -> None:
+        """FSDP2: unshard the units of ``modules`` (``outside``: the units holding none of the updates' weights, an
+        embedding and a head), resharding the others (:class:`certblocks._fsdp.Units`); no FSDP2: nothing."""
+        if self._units is not None:
+            ups = self.updates.modules if self.updates is not None else []
+            self._units.hold(self._units.outside(ups) if outside else self._units.of_modules(modules))
 
     def _check(self) -> Dict[str, Any]:
         ups = self.updates
@@ -360,10 +373,11 @@ class CertificateMonitor(MonitorHooks):
             if worst_case:
                 # the updates' stack at the certified r0 and seq_len (the model's envelope is its certificate()'s
                 # business), each certificate computed now from the weights as they are (no cache: FSDP2 writes)
-                certs = ups.certificates(cached=False)
+                certs = ups.certificates(cached=False) if self._units is None else self._units.certificates(ups)
             else:  # no certificate at this check: its weights are still checked finite, as certificates() does
                 for name, m, fixed in zip(ups.names, ups.modules, ups.fixed or [None] * len(ups.modules)):
                     if fixed is None:
+                        self._hold([m])
                         check_finite(m, f"{name}.")
         except NonFiniteWeightError as exc:  # record and alert; the training loop decides what to do
             rec = {"step": self.step_count, "stack/ok": False, "nonfinite": str(exc)}
@@ -372,12 +386,14 @@ class CertificateMonitor(MonitorHooks):
                         "value": math.nan, "threshold": self.threshold,
                         "message": f"step {self.step_count}: {exc}; no certificate for these weights"})
             return rec
+        self._hold((), outside=True)  # a zoo model's r0 reads its embedding
         stack = None if certs is None else certify_stack(certs, self.dtype, dt=ups.dt, r0=ups.radius(), lip_g=ups.lip_g)
         rec = {"step": self.step_count}
         if stack is not None:
             rec.update(self._stack_figures(stack))
         for k, (name, m) in enumerate(zip(ups.names, ups.modules)):
             cert = None if certs is None else certs[k]
+            self._hold([m, *ups.io(k)])
             rec.update({f"{name}/{key}": val for key, val in self._update_figures(k, m, cert, stack).items()})
         self.records.append(rec)
         self._alert(rec, stack)
@@ -411,6 +427,7 @@ class CertificateMonitor(MonitorHooks):
         if in_step:  # the training step measured everything the measured basis reads: no pass here
             return self._watch.from_measured(calls, figs, dt=ups.dt, certs=certs, p_d=grad / ups.dt,
                                              kappas=kappas, model=model)
+        self._hold([c.module for c in calls])  # FSDP2: the check's passes run every update (all units unsharded)
         return self._watch.from_calls(calls, dt=ups.dt, certs=certs, p_d=None if grad is None else grad / ups.dt,
                                       lip_g=ups.lip_g, kappas=kappas, state=caps[0]["autocast"], model=model)
 
