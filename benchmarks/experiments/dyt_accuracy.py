@@ -70,7 +70,9 @@ GPT_MODELS = {"dyt": ("gpt2_dyt_mini", DYT_GPT),
               "preln": ("gpt2_dyt_mini", dict(norm="layer", qk_norm=None, init_values=None, certify=False)),
               "qknorm": ("gpt2_qknorm_mini", {})}
 VIT_MODELS = {"dyt": ("certblocks_vit_dyt_tiny_patch16_224", DYT_VIT),
-              "preln": ("certblocks_vit_dyt_tiny_patch16_224", dict(norm="layer", qk_norm=None, init_values=None,
+              # timm.create_model drops keyword arguments that are None: no gains and plain attention are spelled 0 and
+              # False here (None would leave the model's defaults, the DyT on queries and keys and gains of 5e-3)
+              "preln": ("certblocks_vit_dyt_tiny_patch16_224", dict(norm="layer", qk_norm=False, init_values=0,
                                                                     certify=False)),
               "qknorm": ("certblocks_vit_tiny_patch16_224", {})}
 #: tiny sizes of --quick (the test's mode): GPT 1 layer of width 32, ViT 1 block of width 32
@@ -97,6 +99,30 @@ def _cert(model: nn.Module) -> Dict[str, Any]:
     return {"ok": bool(c.ok), "certified_depth": c.certified_depth, "depth": c.depth}
 
 
+def optimizer_groups(model: nn.Module, weight_decay: float, gain_lr_scale: float,
+                     exclude: Sequence[str] = ()) -> List[Dict[str, Any]]:
+    """``certified_defaults.param_groups`` (``weight_decay`` on the matrices but ``exclude``), with the branch gains
+    (every :class:`~certblocks.blocks.LayerScale`'s ``gamma``) in a third group, without weight decay, whose learning
+    rate is ``gain_lr_scale`` times the schedule's (the group's ``lr_scale``)."""
+    from certblocks.blocks import LayerScale
+
+    gains = {id(m.gamma) for m in model.modules() if isinstance(m, LayerScale)}
+    groups = param_groups(model, weight_decay, exclude)
+    for g in groups:
+        g["params"] = [p for p in g["params"] if id(p) not in gains]
+        g["lr_scale"] = 1.0
+    gain_params = [p for p in model.parameters() if id(p) in gains and p.requires_grad]
+    if gain_params:
+        groups.append({"params": gain_params, "weight_decay": 0.0, "lr_scale": gain_lr_scale})
+    return groups
+
+
+def _has_gains(model: nn.Module) -> bool:
+    from certblocks.blocks import LayerScale
+
+    return any(isinstance(m, LayerScale) for m in model.modules())
+
+
 def _nonfinite_params(model: nn.Module) -> int:
     return sum(int((~torch.isfinite(p.detach())).sum()) for p in model.parameters())
 
@@ -115,23 +141,24 @@ def build_gpt(variant: str, seed: int, args: argparse.Namespace) -> nn.Module:
 
 
 def gpt_run(variant: str, seed: int, lr: float, data: Tuple[torch.Tensor, torch.Tensor], args: argparse.Namespace,
-            dtype: torch.dtype = torch.float32, eps: float = 1e-8) -> Dict[str, Any]:
+            dtype: torch.dtype = torch.float32, eps: float = 1e-8, gain_lr_scale: float = 1.0) -> Dict[str, Any]:
     """One GPT-2 run: ``args.gpt_steps`` AdamW steps in ``dtype`` (parameters and everything: pure); validation
     bits per byte at half and full horizon."""
     train, val = data
     model = build_gpt(variant, seed, args)
     cert_init = _cert(model)
     model = model.to(dtype)
-    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=lr, betas=(0.9, 0.95), eps=eps)
+    opt = torch.optim.AdamW(optimizer_groups(model, 0.1, gain_lr_scale), lr=lr, betas=(0.9, 0.95), eps=eps)
     g = torch.Generator().manual_seed(seed)
     steps, warmup = args.gpt_steps, max(1, args.gpt_steps // 15)
-    out: Dict[str, Any] = {"part": "gpt", "variant": variant, "seed": seed, "lr": lr, "dtype": str(dtype)[6:],
-                           "eps": eps, "cert_init": cert_init, "first_nonfinite_step": None, "nonfinite_grad_steps": 0}
+    out: Dict[str, Any] = {"part": "gpt", "variant": variant, "seed": seed, "lr": lr, "gain_lr_scale": gain_lr_scale,
+                           "dtype": str(dtype)[6:], "eps": eps, "cert_init": cert_init, "has_gains": _has_gains(model),
+                           "first_nonfinite_step": None, "nonfinite_grad_steps": 0}
     losses: List[float] = []
     t0 = time.time()
     for step in range(steps):
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, warmup, lr, lr / 10)
+            group["lr"] = group["lr_scale"] * lr_at(step, steps, warmup, lr, lr / 10)
         x, y = gpt_batch(train, args.gpt_block, args.gpt_batch, g)
         logits, _ = model(x)
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))  # in the model's dtype
@@ -186,24 +213,26 @@ def vit_eval(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Tuple[float,
 
 
 def vit_run(variant: str, seed: int, lr: float, data: Tuple[torch.Tensor, ...], args: argparse.Namespace,
-            dtype: torch.dtype = torch.float32, eps: float = 1e-8) -> Dict[str, Any]:
+            dtype: torch.dtype = torch.float32, eps: float = 1e-8, gain_lr_scale: float = 1.0) -> Dict[str, Any]:
     """One ViT run: ``args.vit_epochs`` epochs in ``dtype`` (pure); test accuracy at half and full horizon."""
     x_tr, y_tr, x_te, y_te = data
     model = build_vit(variant, seed, args)
     cert_init = _cert(model)
     model = model.to(dtype)
-    opt = torch.optim.AdamW(param_groups(model, 0.05, exclude=("pos_embed", "cls_token")), lr=lr, eps=eps)
+    opt = torch.optim.AdamW(optimizer_groups(model, 0.05, gain_lr_scale, exclude=("pos_embed", "cls_token")), lr=lr,
+                            eps=eps)
     g = torch.Generator().manual_seed(seed)
     per_epoch = math.ceil(len(y_tr) / args.vit_batch)
     steps, warmup = args.vit_epochs * per_epoch, per_epoch
-    out: Dict[str, Any] = {"part": "vit", "variant": variant, "seed": seed, "lr": lr, "dtype": str(dtype)[6:],
-                           "eps": eps, "cert_init": cert_init, "first_nonfinite_step": None, "nonfinite_grad_steps": 0}
+    out: Dict[str, Any] = {"part": "vit", "variant": variant, "seed": seed, "lr": lr, "gain_lr_scale": gain_lr_scale,
+                           "dtype": str(dtype)[6:], "eps": eps, "cert_init": cert_init, "has_gains": _has_gains(model),
+                           "first_nonfinite_step": None, "nonfinite_grad_steps": 0}
     losses: List[float] = []
     t0, step = time.time(), 0
     for epoch in range(args.vit_epochs):
         for idx in vit_batches(len(y_tr), args.vit_batch, g):
             for group in opt.param_groups:
-                group["lr"] = lr_at(step, steps, warmup, lr, 0.0)
+                group["lr"] = group["lr_scale"] * lr_at(step, steps, warmup, lr, 0.0)
             loss = F.cross_entropy(model(x_tr[idx].to(dtype)), y_tr[idx])
             lv = float(loss.detach())
             losses.append(lv)
@@ -246,20 +275,24 @@ def better(part: str, a: Dict[str, Any], b: Dict[str, Any]) -> bool:
 
 
 def tune_and_run(part: str, run: Callable[..., Dict[str, Any]], lrs: Sequence[float], seeds: Sequence[int],
-                 variants: Sequence[str]) -> Dict[str, Any]:
-    """Seed ``seeds[0]`` at every learning rate, then the other seeds at the best one, per variant."""
+                 variants: Sequence[str], gain_lr_scales: Sequence[float] = (1.0,)) -> Dict[str, Any]:
+    """Seed ``seeds[0]`` at every learning rate and (for a model with branch gains) every gain learning-rate scale,
+    then the other seeds at the best setting, per variant."""
     runs: List[Dict[str, Any]] = []
-    best_lr: Dict[str, float] = {}
+    best_lr: Dict[str, List[float]] = {}
     for v in variants:
-        grid = [run(v, seeds[0], lr) for lr in lrs]
+        grid = [run(v, seeds[0], lr, gain_lr_scales[0]) for lr in lrs]
+        if grid[0]["has_gains"]:
+            grid += [run(v, seeds[0], lr, scale) for scale in gain_lr_scales[1:] for lr in lrs]
         runs += grid
         best = grid[0]
         for r in grid[1:]:
             if better(part, r, best):
                 best = r
-        best_lr[v] = best["lr"]
-        _log(f"{part} {v}: best learning rate {best['lr']:g} (of {list(lrs)})")
-        runs += [run(v, s, best["lr"]) for s in seeds[1:]]
+        best_lr[v] = [best["lr"], best["gain_lr_scale"]]
+        _log(f"{part} {v}: best learning rate {best['lr']:g}, gain scale {best['gain_lr_scale']:g} "
+             f"(of {list(lrs)} x {list(gain_lr_scales) if grid[0]['has_gains'] else [gain_lr_scales[0]]})")
+        runs += [run(v, s, best["lr"], best["gain_lr_scale"]) for s in seeds[1:]]
     return {"runs": runs, "best_lr": best_lr}
 
 
@@ -268,20 +301,26 @@ def summarize(part: str, result: Dict[str, Any]) -> List[Dict[str, Any]]:
     keys = ("val_bpb", "val_bpb_half", "final_train_loss") if part == "gpt" else \
         ("test_acc", "test_acc_half", "test_loss", "final_train_loss")
     rows = []
-    for v, lr in result["best_lr"].items():
-        rs = sorted((r for r in result["runs"] if r["variant"] == v and r["lr"] == lr and r["dtype"] == "float32"),
-                    key=lambda r: r["seed"])
-        row: Dict[str, Any] = {"variant": v, "lr": lr, "seeds": [r["seed"] for r in rs],
+    for v, (lr, scale) in result["best_lr"].items():
+        rs = sorted((r for r in result["runs"] if r["variant"] == v and r["lr"] == lr
+                     and r.get("gain_lr_scale", 1.0) == scale and r["dtype"] == "float32"), key=lambda r: r["seed"])
+        row: Dict[str, Any] = {"variant": v, "lr": lr, "gain_lr_scale": scale, "seeds": [r["seed"] for r in rs],
                                "cert_fp16_init": [r["cert_init"]["ok"] for r in rs],
                                "cert_depth_init": rs[0]["cert_init"]["certified_depth"],
                                "depth": rs[0]["cert_init"]["depth"],
                                "nonfinite_runs": sum(r["first_nonfinite_step"] is not None for r in rs)}
         for k in keys:
             row[k] = {**spread([r[k] for r in rs]), "per_seed": [r[k] for r in rs]}
-        row["lr_grid"] = {f"{r['lr']:g}": r[keys[0]] for r in result["runs"]
+        row["lr_grid"] = {_setting(r): r[keys[0]] for r in result["runs"]
                           if r["variant"] == v and r["seed"] == rs[0]["seed"] and r["dtype"] == "float32"}
         rows.append(row)
     return rows
+
+
+def _setting(r: Dict[str, Any]) -> str:
+    """``lr`` or ``lr x gain scale`` (a scale other than 1) of a run or a summary row."""
+    scale = r.get("gain_lr_scale", 1.0)
+    return f"{r['lr']:g}" + (f" x{scale:g}" if scale != 1.0 else "")
 
 
 def ranking(rows: List[Dict[str, Any]], key: str, higher: bool) -> List[str]:
@@ -323,12 +362,12 @@ def report(result: Dict[str, Any]) -> str:
         s = result["gpt"]["settings"]
         out += [f"GPT-2 mini on bytes ({s['steps']} steps of {s['batch']} x {s['block_size']} bytes): validation bits "
                 "per byte (lower is better), mean ± std over seeds at the tuned learning rate", "",
-                "| variant | lr (grid: seed-0 bits/byte) | fp16 certified at init | val bits/byte | at half horizon |"
-                " per seed |", "|---|---|---|---|---|---|"]
+                "| variant | lr x gain lr scale (grid: seed-0 bits/byte) | fp16 certified at init | val bits/byte | "
+                "at half horizon | per seed |", "|---|---|---|---|---|---|"]
         for r in result["gpt"]["summary"]:
             grid = ", ".join(f"{k}: {v:.3f}" for k, v in r["lr_grid"].items())
             per = ", ".join(f"{v:.4f}" for v in r["val_bpb"]["per_seed"])
-            out.append(f"| {r['variant']} | {r['lr']:g} ({grid}) | {'yes' if all(r['cert_fp16_init']) else 'no'} "
+            out.append(f"| {r['variant']} | {_setting(r)} ({grid}) | {'yes' if all(r['cert_fp16_init']) else 'no'} "
                        f"{r['cert_depth_init']}/{r['depth']} | {fmt(r['val_bpb'], 4)} | {fmt(r['val_bpb_half'], 4)} | "
                        f"{per} |")
         out.append("")
@@ -336,12 +375,12 @@ def report(result: Dict[str, Any]) -> str:
         s = result["vit"]["settings"]
         out += [f"ViT-Ti on digits ({s['epochs']} epochs of batch {s['batch']}): test accuracy % (higher is better), "
                 "mean ± std over seeds at the tuned learning rate", "",
-                "| variant | lr (grid: seed-0 acc %) | fp16 certified at init | test acc % | at half horizon | "
-                "test loss | per seed |", "|---|---|---|---|---|---|---|"]
+                "| variant | lr x gain lr scale (grid: seed-0 acc %) | fp16 certified at init | test acc % | "
+                "at half horizon | test loss | per seed |", "|---|---|---|---|---|---|---|"]
         for r in result["vit"]["summary"]:
             grid = ", ".join(f"{k}: {100 * v:.1f}" for k, v in r["lr_grid"].items())
             per = ", ".join(f"{100 * v:.2f}" for v in r["test_acc"]["per_seed"])
-            out.append(f"| {r['variant']} | {r['lr']:g} ({grid}) | {'yes' if all(r['cert_fp16_init']) else 'no'} "
+            out.append(f"| {r['variant']} | {_setting(r)} ({grid}) | {'yes' if all(r['cert_fp16_init']) else 'no'} "
                        f"{r['cert_depth_init']}/{r['depth']} | {fmt(r['test_acc'], 2, 100.0)} | "
                        f"{fmt(r['test_acc_half'], 2, 100.0)} | {fmt(r['test_loss'], 4)} | {per} |")
         out.append("")
@@ -372,6 +411,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--gpt-lrs", type=float, nargs="+", default=[1e-3, 2e-3, 4e-3])
     p.add_argument("--vit-lrs", type=float, nargs="+", default=[5e-4, 1e-3, 2e-3])
+    p.add_argument("--gain-lr-scales", type=float, nargs="+", default=[1.0],
+                   help="grid of the branch gains' learning rate as a multiple of the schedule's (models with gains)")
     p.add_argument("--gpt-steps", type=int, default=None, help="default 240 (--quick: 4)")
     p.add_argument("--gpt-batch", type=int, default=8)
     p.add_argument("--gpt-block", type=int, default=64)
@@ -381,6 +422,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p.add_argument("--vit-batch", type=int, default=64)
     p.add_argument("--pure-lr", type=float, nargs=2, default=None, metavar=("GPT_LR", "VIT_LR"),
                    help="learning rates of --pure (default: the dyt variant's tuned ones, else 2e-3 and 1e-3)")
+    p.add_argument("--pure-gain-lr-scale", type=float, nargs=2, default=None, metavar=("GPT", "VIT"),
+                   help="the gain learning-rate scales of --pure (default: the tuned ones, else 1)")
     p.add_argument("--pure-parts", nargs="+", default=["gpt", "vit"], choices=["gpt", "vit"],
                    help="the models of --pure (default both)")
     p.add_argument("--pure-dtypes", nargs="+", default=["float32", "float16", "bfloat16"],
@@ -424,28 +467,34 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             continue
         t0 = time.time()
         if part == "gpt":
-            res = tune_and_run("gpt", lambda v, s, lr: gpt_run(v, s, lr, gpt_data, args), args.gpt_lrs, args.seeds,
-                               args.variants)
+            res = tune_and_run("gpt", lambda v, s, lr, g: gpt_run(v, s, lr, gpt_data, args, gain_lr_scale=g),
+                               args.gpt_lrs, args.seeds, args.variants, args.gain_lr_scales)
             res["settings"] = {"model": GPT_MODELS["dyt"][0], "vocab_size": 256, "block_size": args.gpt_block,
-                               "batch": args.gpt_batch, "steps": args.gpt_steps, "lrs": args.gpt_lrs}
+                               "batch": args.gpt_batch, "steps": args.gpt_steps, "lrs": args.gpt_lrs,
+                               "gain_lr_scales": args.gain_lr_scales}
         else:
-            res = tune_and_run("vit", lambda v, s, lr: vit_run(v, s, lr, vit_data, args), args.vit_lrs, args.seeds,
-                               args.variants)
+            res = tune_and_run("vit", lambda v, s, lr, g: vit_run(v, s, lr, vit_data, args, gain_lr_scale=g),
+                               args.vit_lrs, args.seeds, args.variants, args.gain_lr_scales)
             res["settings"] = {"model": VIT_MODELS["dyt"][0], "img_size": 32, "patch_size": 8,
-                               "batch": args.vit_batch, "epochs": args.vit_epochs, "lrs": args.vit_lrs}
+                               "batch": args.vit_batch, "epochs": args.vit_epochs, "lrs": args.vit_lrs,
+                               "gain_lr_scales": args.gain_lr_scales}
         res["summary"] = summarize(part, res)
         result[part] = res
         result["meta"]["seconds"][part] = round(time.time() - t0, 1)
     if args.pure:
         t0 = time.time()
-        lrs = args.pure_lr or (result.get("gpt", {}).get("best_lr", {}).get("dyt", 2e-3),
-                               result.get("vit", {}).get("best_lr", {}).get("dyt", 1e-3))
+        tuned = {part: result.get(part, {}).get("best_lr", {}).get("dyt") for part in ("gpt", "vit")}
+        lrs = args.pure_lr or (tuned["gpt"][0] if tuned["gpt"] else 2e-3, tuned["vit"][0] if tuned["vit"] else 1e-3)
+        scales = args.pure_gain_lr_scale or (tuned["gpt"][1] if tuned["gpt"] else 1.0,
+                                             tuned["vit"][1] if tuned["vit"] else 1.0)
         runs = []
         for dtype in (getattr(torch, d) for d in args.pure_dtypes):
             if "gpt" in args.pure_parts:
-                runs.append(gpt_run("dyt", args.seeds[0], lrs[0], gpt_data, args, dtype=dtype, eps=1e-4))
+                runs.append(gpt_run("dyt", args.seeds[0], lrs[0], gpt_data, args, dtype=dtype, eps=1e-4,
+                                    gain_lr_scale=scales[0]))
             if "vit" in args.pure_parts:
-                runs.append(vit_run("dyt", args.seeds[0], lrs[1], vit_data, args, dtype=dtype, eps=1e-4))
+                runs.append(vit_run("dyt", args.seeds[0], lrs[1], vit_data, args, dtype=dtype, eps=1e-4,
+                                    gain_lr_scale=scales[1]))
         result["pure"] = {"runs": runs, "lrs": list(lrs), "eps": 1e-4}
         result["meta"]["seconds"]["pure"] = round(time.time() - t0, 1)
     result["goals"] = goals(result.get("gpt", {}).get("summary"), result.get("vit", {}).get("summary"))

@@ -1,0 +1,42 @@
+"""benchmarks/experiments/dyt_accuracy.py: the branch gains' own learning-rate group and the grid over its scale
+(only for models with gains), in the script's --quick mode."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from dyt_accuracy import main, optimizer_groups
+
+pytest.importorskip("timm")
+
+
+def test_the_gains_are_one_group_at_the_scaled_rate_without_weight_decay() -> None:
+    from certblocks.blocks import LayerScale
+    from certblocks.zoo import create_model
+
+    torch.manual_seed(0)
+    model = create_model("gpt2_dyt_mini", vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    groups = optimizer_groups(model, 0.1, 30.0)
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert sorted(ids) == sorted(id(p) for p in model.parameters())  # every parameter once
+    gains = {id(m.gamma) for m in model.modules() if isinstance(m, LayerScale)}
+    assert len(gains) == 4  # two updates in each of two layers
+    (gain_group,) = [g for g in groups if g["lr_scale"] == 30.0]
+    assert {id(p) for p in gain_group["params"]} == gains and gain_group["weight_decay"] == 0.0
+    assert all(g["lr_scale"] == 1.0 for g in groups if g is not gain_group)
+
+
+def test_quick_grid_scales_only_the_models_with_gains(tmp_path) -> None:
+    out = tmp_path / "dyt.json"
+    result = main(["--vit", "--quick", "--variants", "dyt", "preln", "--seeds", "0", "--vit-lrs", "1e-3",
+                   "--gain-lr-scales", "1", "30", "--out", str(out)])
+    runs = result["vit"]["runs"]
+    assert sorted((r["variant"], r["gain_lr_scale"]) for r in runs) == [("dyt", 1.0), ("dyt", 30.0), ("preln", 1.0)]
+    assert {r["variant"]: r["has_gains"] for r in runs} == {"dyt": True, "preln": False}
+    best = result["vit"]["best_lr"]
+    assert best["preln"] == [1e-3, 1.0] and best["dyt"][1] in (1.0, 30.0)
+    (dyt_row,) = [r for r in result["vit"]["summary"] if r["variant"] == "dyt"]
+    assert dyt_row["gain_lr_scale"] == best["dyt"][1] and set(dyt_row["lr_grid"]) == {"0.001", "0.001 x30"}
+    assert json.loads(out.read_text())["vit"]["best_lr"] == best
