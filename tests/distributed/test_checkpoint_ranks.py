@@ -7,9 +7,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
-import socket
 import sys
-import time
 from typing import Any, Dict, List
 
 import pytest
@@ -22,8 +20,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 W = importlib.import_module("_cb_ckpt_workers")
-
 import torch.distributed as dist  # noqa: E402
+from _cb_launch import spawn_ranks  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,  # 2 spawned ranks, a checkpoint certified twice and a model once on each: ~30-60 s
@@ -32,35 +30,9 @@ pytestmark = [
 ]
 
 
-def _port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ranks(directory: str, out: str, timeout: float = 150.0) -> List[Dict[str, Any]]:
     """Certify ``directory`` on :data:`W.WORLD` spawned ranks; each rank's result (fail on an error or a hang)."""
-    ctx = torch.multiprocessing.get_context("spawn")
-    port = _port()
-    procs = [ctx.Process(target=W.entry, args=(r, port, out, directory), daemon=True) for r in range(W.WORLD)]
-    for p in procs:
-        p.start()
-    end = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, end - time.monotonic()))
-    alive = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    errs = [open(os.path.join(out, f"{r}.err")).read() for r in range(W.WORLD)
-            if os.path.exists(os.path.join(out, f"{r}.err"))]
-    if alive or errs or any(p.exitcode for p in procs):
-        pytest.fail(f"ranks still running: {alive}; exit codes {[p.exitcode for p in procs]}\n" + "\n".join(errs))
-    results = []
-    for r in range(W.WORLD):
-        results.append(torch.load(os.path.join(out, f"{r}.pt"), weights_only=False))
-    return results
+    return spawn_ranks(W.entry, lambda rank, port: (rank, port, out, directory), out, W.WORLD, timeout)
 
 
 def _layer(name: str) -> str:

@@ -20,9 +20,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
-import socket
 import sys
-import time
 from typing import Any, Dict, List
 
 import pytest
@@ -32,8 +30,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 W = importlib.import_module("_cb_dist_workers")
-
 import torch.distributed as dist  # noqa: E402
+from _cb_launch import spawn_ranks  # noqa: E402
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -49,40 +47,10 @@ BATCH_KEYS = ("/saturation", "/cosine", "/max_logit", "/state_norm", "/velocity_
               "/forward_headroom_measured", "/backward_headroom_measured", "/log_grad_measured", "/data_costate_norm")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(scenario: str, tmp_path: Any, timeout: float = 100.0, **kwargs: Any) -> List[Dict[str, Any]]:
     """Run ``scenario`` on 2 spawned gloo processes; return each rank's result (fail on error or hang)."""
-    ctx = torch.multiprocessing.get_context("spawn")
-    port = _free_port()
     out = str(tmp_path)
-    procs = [ctx.Process(target=W.entry, args=(scenario, rank, port, out, kwargs), daemon=True)
-             for rank in range(W.WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    errors = []
-    for r in range(W.WORLD):
-        err = os.path.join(out, f"{r}.err")
-        if os.path.exists(err):
-            with open(err) as fh:
-                errors.append(f"rank {r}:\n{fh.read()}")
-    if hung:
-        pytest.fail(f"ranks {hung} still running after {timeout:g} s (killed)\n" + "\n".join(errors))
-    if errors or any(p.exitcode != 0 for p in procs):
-        pytest.fail(f"exit codes {[p.exitcode for p in procs]}\n" + "\n".join(errors))
-    return [torch.load(os.path.join(out, f"{r}.pt"), weights_only=False) for r in range(W.WORLD)]
+    return spawn_ranks(W.entry, lambda rank, port: (scenario, rank, port, out, kwargs), out, W.WORLD, timeout)
 
 
 def _single(kind: str, steps: int = W.STEPS) -> Dict[str, Any]:

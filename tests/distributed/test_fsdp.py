@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import importlib
 import os
-import socket
 import sys
-import time
 from typing import Any, Dict, List
 
 import pytest
-import torch
 
 transformers = pytest.importorskip("transformers")
 
@@ -20,8 +17,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 W = importlib.import_module("_cb_fsdp_workers")
-
 import torch.distributed as dist  # noqa: E402
+from _cb_launch import spawn_ranks  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,  # 2 spawned ranks each: ~15-30 s a test on 2 busy cores
@@ -32,26 +29,7 @@ pytestmark = [
 
 def _run(scenario: str, out: str, timeout: float = 150.0, **kwargs: Any) -> List[Dict[str, Any]]:
     """``scenario`` on :data:`W.WORLD` spawned ranks; each rank's result (fail on an error or a hang)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = torch.multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=W.entry, args=(scenario, r, port, out, kwargs), daemon=True) for r in range(W.WORLD)]
-    for p in procs:
-        p.start()
-    end = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, end - time.monotonic()))
-    alive = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    errs = [open(os.path.join(out, f"{r}.err")).read() for r in range(W.WORLD)
-            if os.path.exists(os.path.join(out, f"{r}.err"))]
-    if alive or errs or any(p.exitcode for p in procs):
-        pytest.fail(f"ranks still running: {alive}; exit codes {[p.exitcode for p in procs]}\n" + "\n".join(errs))
-    return [torch.load(os.path.join(out, f"{r}.pt"), weights_only=False) for r in range(W.WORLD)]
+    return spawn_ranks(W.entry, lambda rank, port: (scenario, rank, port, out, kwargs), out, W.WORLD, timeout)
 
 
 @pytest.mark.parametrize("kind, layers", [("llama", 4), ("gpt2", 3)])
