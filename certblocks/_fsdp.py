@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Type
 
 import torch
 from torch import nn
@@ -87,7 +87,7 @@ class Units:
 
         def walk(m: nn.Module, current: Optional[nn.Module]) -> None:
             if isinstance(m, cls):
-                state = id(m._get_fsdp_state())  # type: ignore[attr-defined]  # an FSDPModule
+                state = id(m._get_fsdp_state())  # type: ignore[operator]  # an FSDPModule (a private method of torch)
                 if state not in first:
                     first[state] = m
                     self.units.append(m)
@@ -206,7 +206,7 @@ class _UnitWeights:
         self._hold(())
 
 
-def _original_class(m: nn.Module) -> type:
+def _original_class(m: nn.Module) -> Type[nn.Module]:
     """The class ``fully_shard`` subclassed (``FSDPLlamaDecoderLayer`` -> ``LlamaDecoderLayer``)."""
     cls = _fsdp_module_class()
     return next(c for c in type(m).__mro__ if cls is None or not issubclass(c, cls))
@@ -222,7 +222,8 @@ def _skeleton(model: nn.Module) -> nn.Module:
     params: Dict[int, nn.Parameter] = {}
 
     def clone(m: nn.Module) -> nn.Module:
-        new = _original_class(m).__new__(_original_class(m))
+        kind = _original_class(m)
+        new = kind.__new__(kind)
         d = dict(m.__dict__)
         d["_parameters"] = {}
         for name, p in m._parameters.items():

@@ -221,6 +221,11 @@ class GPT2QKNorm(ZooModel):
         """``lm_head(ln_f(x))``: ``Lip(G) = ||W_lm|| G(ln_f)``, logits below ``max_i ||w_i|| A(ln_f)``."""
         return normed_linear_head([self.transformer.ln_f], self.lm_head, "transformer.ln_f+lm_head")
 
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """The residual stream's input ``drop(wte[idx] + wpe[0:T])``, ``(B, T, C)``, for token ids ``(B, T)``."""
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+
     def input_radius(self) -> float:
         """``max_i ||wte_i|| + max_j ||wpe_j||``: bound on every embedded token's norm."""
         return row_norm_max(self.transformer.wte.weight) + row_norm_max(self.transformer.wpe.weight)
@@ -266,8 +271,7 @@ class GPT2QKNorm(ZooModel):
             raise ValueError(f"sequence length {t} exceeds block_size={self.block_size}")
         if attention_mask is not None:
             _check_right_padding(attention_mask, idx)
-        pos = torch.arange(t, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        x = self.embed(idx)  # (B, T, C)
         for blk in self.transformer.h:
             x = blk(x)
         logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab)

@@ -5,7 +5,10 @@ Each of the ``n_layer`` blocks is two pre-normalized residual updates (D = 2 n_l
     x = x + ls1(attn(ln_1(x)))     # ln_1 a DyT; attn: QKDyTAttention (a DyT on each head's queries and keys)
     x = x + ls2(mlp(ln_2(x)))      # ln_2 a DyT; MLP(GELU)
 
-and the head is ``lm_head(ln_f(x))`` with ``ln_f`` a DyT and ``lm_head`` tied to ``wte``.  A DyT
+and the head is ``lm_head(ln_f(x))`` with ``ln_f`` a DyT and ``lm_head`` tied to ``wte``.  The embedded tokens are
+multiplied by a learnable scalar ``emb_scale`` initialized to ``sqrt(n_embd)`` (the DyT paper's recipe for language
+models): a DyT does not rescale its input as a LayerNorm does, and nanoGPT's embeddings (``N(0, 0.02)`` entries) would
+reach the first DyTs at a scale far below the one their ``alpha`` is set for.  A DyT
 ``gamma * tanh(alpha x) + beta`` has no ``eps`` (:mod:`certblocks.blocks.dyt`): every update is (0, 0) with a Jacobian
 bound ``g L_f(B) max |alpha gamma|`` that does not depend on the radius, the head's ``Lip(G)`` is
 ``||W_lm|| max |alpha gamma| sqrt(2)``, and the backward budget ``log(M / Lip(G))`` of fp16 (about 10 nats) covers
@@ -16,12 +19,14 @@ Module names follow nanoGPT's (``transformer.h.{i}.ln_1``, ``.attn.c_attn``, ``.
 ``norm="layer"`` and ``qk_norm=None`` build the same architecture with LayerNorms and plain attention: the Pre-LN
 GPT-2 the accuracy comparison trains against (``benchmarks/experiments/dyt_accuracy.py``; not certified in fp16).
 
-Certificate defaults: ``r0 = max_i ||wte_i|| + max_j ||wpe_j||``, ``seq_len = block_size``, ``cert_dtype = "fp16"``.
+Certificate defaults: ``r0 = |emb_scale| (max_i ||wte_i|| + max_j ||wpe_j||)``, ``seq_len = block_size``,
+``cert_dtype = "fp16"``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+import math
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -37,7 +42,7 @@ from ._base import normed_linear_head
 from ._registry import register_model
 from .gpt2 import GPT2QKNorm, gpt_config
 
-__all__ = ["GPT2DyT", "GPT2DyTBlock"]
+__all__ = ["EmbeddingScale", "GPT2DyT", "GPT2DyTBlock"]
 
 #: The branch gains' initial value of the class, GPT-2 124M's (at the class's ``alpha_init`` 0.5, ``qk_alpha_init`` 1):
 #: the largest round value that certifies it in pure fp16 at initialization (docs/dyt.md); the smaller sizes register
@@ -100,6 +105,33 @@ def pre_normed_velocities(block: nn.Module, prefix: str, triples: Tuple[Tuple[st
     return out
 
 
+class EmbeddingScale(nn.Module):
+    """A learnable scalar ``x -> scale * x`` (parameter ``scale``, 0-dimensional), initialized to ``init_value``.
+
+    Args:
+        init_value: the initial scale (finite, > 0).
+        device, dtype: as for torch layers.
+    """
+
+    def __init__(self, init_value: float, *, device: Any = None, dtype: Any = None) -> None:
+        super().__init__()
+        self.init_value = check_real("init_value", init_value, gt=0.0)
+        self.scale = nn.Parameter(torch.empty((), device=device, dtype=dtype))
+        if self.scale.device.type != "meta":
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``scale`` back to ``init_value``."""
+        with torch.no_grad():
+            self.scale.fill_(self.init_value)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+    def extra_repr(self) -> str:
+        return f"init_value={self.init_value:.4g}"
+
+
 class GPT2DyT(GPT2QKNorm):
     """GPT-2 with DyT normalizers (pre-DyT updates, DyT on queries and keys, a DyT head), certified in pure fp16.
 
@@ -111,18 +143,22 @@ class GPT2DyT(GPT2QKNorm):
         alpha_init: the initial ``alpha`` of ``ln_1``, ``ln_2`` and ``ln_f`` (a scalar per DyT).
         qk_alpha_init: the initial ``alpha`` of the query and key DyTs.
         init_values: the initial value of the branch gains ``ls1.gamma`` / ``ls2.gamma`` (``None``: no gains).
+        emb_scale: the initial value of the learnable scalar on the embedded tokens (:class:`EmbeddingScale`,
+            ``emb_scale.scale``); ``"auto"`` (default): ``sqrt(n_embd)`` with DyT normalizers, none with LayerNorms (the
+            Pre-LN baseline is nanoGPT's); ``None``: none.
         certify: refuse (``CertificationError``) a configuration not certified in ``cert_dtype``.
         cert_dtype: the certification dtype (default ``"fp16"``).
         device, dtype: as for torch layers.
     """
 
-    _self_initialized = (DyT,)  # _init_weights: each DyT at its alpha_init, gamma 1, beta 0
+    _self_initialized = (DyT, EmbeddingScale)  # _init_weights: each at its own initial values
 
     def __init__(self, n_layer: int = 12, n_head: int = 12, n_embd: int = 768, block_size: int = 1024,
                  vocab_size: int = 50304, bias: bool = True, dropout: float = 0.0, *, act: str = "gelu",
                  norm: str = "dyt", qk_norm: Optional[str] = "dyt", alpha_init: float = ALPHA_INIT,
                  qk_alpha_init: float = QK_ALPHA_INIT, init_values: Optional[float] = INIT_VALUES,
-                 certify: bool = True, cert_dtype: Any = None, device=None, dtype=None) -> None:
+                 emb_scale: Union[float, str, None] = "auto", certify: bool = True, cert_dtype: Any = None,
+                 device=None, dtype=None) -> None:
         nn.Module.__init__(self)
         dropout = gpt_config(self, n_layer, n_head, n_embd, block_size, vocab_size, bias, dropout)
         self.norm_kind = check_choice("norm", norm, _NORMS)
@@ -130,6 +166,12 @@ class GPT2DyT(GPT2QKNorm):
         self.alpha_init = check_real("alpha_init", alpha_init, gt=0.0)
         self.qk_alpha_init = check_real("qk_alpha_init", qk_alpha_init, gt=0.0)
         self.init_values = check_init_values(init_values) if init_values else None  # None or 0: no gains
+        scale: Optional[float] = None
+        if isinstance(emb_scale, str):
+            check_choice("emb_scale", emb_scale, ("auto",))
+            scale = math.sqrt(n_embd) if norm == "dyt" else None
+        elif emb_scale is not None:
+            scale = check_real("emb_scale", emb_scale, gt=0.0)
         dd = {"device": "meta", "dtype": dtype}  # built without values, then materialized and initialized once
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(vocab_size, n_embd, **dd),
@@ -141,10 +183,21 @@ class GPT2DyT(GPT2QKNorm):
             ln_f=DyT(n_embd, alpha_init, **dd) if norm == "dyt" else nn.LayerNorm(n_embd, bias=bias, **dd),
         ))
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False, **dd)
+        self.emb_scale = None if scale is None else EmbeddingScale(scale, **dd)
         self.to_empty(device=torch.get_default_device() if device is None else device)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as nanoGPT (after to_empty, which unties)
         self._init_weights()
         self._certify_or_refuse(certify, CERT_DTYPE if cert_dtype is None else cert_dtype)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """``emb_scale * drop(wte[idx] + wpe[0:T])`` (without a scale: nanoGPT's embedded tokens)."""
+        x = super().embed(idx)
+        return x if self.emb_scale is None else self.emb_scale(x)
+
+    def input_radius(self) -> float:
+        """``|emb_scale| (max_i ||wte_i|| + max_j ||wpe_j||)``: bound on every embedded token's norm."""
+        r = super().input_radius()
+        return r if self.emb_scale is None else abs(float(self.emb_scale.scale.detach())) * r
 
     def head_certificate(self) -> BlockCertificate:
         """``lm_head(ln_f(x))``: ``Lip(G) = ||W_lm|| max |alpha gamma|`` (DyT) or ``||W_lm|| G(ln_f)`` (LayerNorm)."""

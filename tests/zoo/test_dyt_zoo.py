@@ -112,3 +112,28 @@ def test_gpt2_dyt_refuses_checkpoints_and_points_at_convert():
     m = _build("gpt2_dyt_test")
     with pytest.raises(TypeError, match="certblocks.convert"):
         m.load_gpt2_state_dict({})
+
+
+def test_gpt2_dyt_scales_its_embedded_tokens_and_its_radius_bounds_them():
+    """The learnable scalar after the embedding (sqrt(n_embd) with DyTs, none for the Pre-LN baseline or with
+    ``emb_scale=None``): the forward's embedded tokens are the scaled ones and ``input_radius()`` bounds every one."""
+    m = _build("gpt2_dyt_test")
+    assert m.emb_scale is not None and float(m.emb_scale.scale.detach()) == pytest.approx(math.sqrt(m.n_embd))
+    assert "emb_scale.scale" in m.state_dict() and any(p is m.emb_scale.scale for p in m.parameters())
+    plain = _build("gpt2_dyt_test", emb_scale=None)
+    assert plain.emb_scale is None and plain.input_radius() == pytest.approx(m.input_radius() / math.sqrt(m.n_embd))
+    idx = torch.arange(m.vocab_size).reshape(4, -1)[:, :m.block_size]  # every token id, at every position
+    with torch.no_grad():
+        emb = m.embed(idx)
+        assert torch.equal(emb, plain.embed(idx) * m.emb_scale.scale)
+        m.emb_scale.scale.fill_(-7.5)  # trained to a negative value: the radius takes its magnitude
+        assert float(m.embed(idx).norm(dim=-1).max()) <= m.input_radius() * (1 + 1e-6)
+    m.emb_scale.reset_parameters()
+    logits, loss = m(idx, idx)
+    loss.backward()
+    assert m.emb_scale.scale.grad is not None and torch.isfinite(m.emb_scale.scale.grad)
+    assert create_model("gpt2_dyt_test", norm="layer", qk_norm=None, init_values=None, certify=False).emb_scale is None
+    assert float(_build("gpt2_dyt_test", emb_scale=2.0).emb_scale.scale.detach()) == 2.0
+    for bad in (0.0, -1.0, float("nan"), "sqrt"):
+        with pytest.raises((ValueError, TypeError), match="emb_scale"):
+            _build("gpt2_dyt_test", emb_scale=bad)

@@ -13,8 +13,9 @@ pytest.importorskip("timm")
 
 
 def test_the_gains_are_one_group_at_the_scaled_rate_without_weight_decay() -> None:
-    from certblocks.blocks import LayerScale
     from certblocks.zoo import create_model
+
+    from certblocks.blocks import LayerScale
 
     torch.manual_seed(0)
     model = create_model("gpt2_dyt_mini", vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32)
