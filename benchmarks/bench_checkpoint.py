@@ -234,7 +234,8 @@ def main() -> None:
           f"({lay['bytes_read'] / 1e9:.1f} GB)")
     out = ROOT / "benchmarks" / "out"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_checkpoint.json").write_text(json.dumps({"shape": args.shape, "checkpoint": info, "identical": same,
+    (out / "bench_checkpoint.json").write_text(json.dumps({"shape": args.shape, "checkpoint": info,
+                                                           "identical": same if w is not None else None,
                                                            **{k: {x: y for x, y in v.items() if x != "segments"}
                                                               for k, v in results.items()}}, indent=2))
     if w is not None and not same:
