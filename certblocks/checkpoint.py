@@ -93,9 +93,9 @@ def _finite(t: torch.Tensor) -> bool:
     """Every entry of the floating or complex tensor ``t`` is finite.
 
     One reduction, no copy: ``torch.aminmax`` propagates NaN, so its minimum and maximum are both finite exactly when
-    every entry is (an inf is an extreme, a NaN makes both NaN).  Any elementwise check allocates at least a bool per
-    entry: whole, a copy of the table's size; by chunks, the chunks (4 MB each) were kept by the C allocator between
-    reads, 0.9 GiB of anonymous memory over a 1B Llama's layers (benchmarks/results/checkpoint.md)."""
+    every entry is (an inf is an extreme, a NaN makes both NaN).  An elementwise check allocates a bool per entry:
+    whole, a bool tensor of the table's shape; by chunks of 4M entries, the chunks were kept by the C allocator
+    between reads, 0.9 GiB of anonymous memory over a 1B Llama's layers (benchmarks/results/checkpoint.md)."""
     if t.numel() == 0:
         return True
     if t.is_complex():
