@@ -16,7 +16,12 @@ How, with at most a layer's weights in memory:
    :data:`KEEP_GROUPS` groups: the parameters under one ``...layers.K`` prefix, or one tensor outside the
    layers), so that the concrete value of every activation is the loaded model's;
 3. each segment of the chain is certified (:func:`certblocks.trace.api.certify_segment`) reading its weights through
-   the same cache, and the segments are assembled as :func:`certblocks.certify` assembles them.
+   the same cache, emptied after each segment, and the segments are assembled as :func:`certblocks.certify`
+   assembles them.
+
+A tensor read is a view of the memory-mapped file (no copy): its pages count in the process's resident memory once
+touched and until the tensor is dropped, so the peak is about the largest group (a 1B Llama's 128256 x 2048 token
+table) above the interpreter and its imports (benchmarks/results/checkpoint.md).
 
 Under ``torch.distributed`` (``distributed=None`` and an initialized process group, or ``True``) the layers are
 split into contiguous ranges, one per rank: the graph runs in stages (rank ``s`` computes its layers and broadcasts
@@ -44,7 +49,9 @@ from ._validation import NonFiniteWeightError, check_int
 __all__ = ["certify_checkpoint", "certify_ranks", "is_checkpoint", "CheckpointStats", "KEEP_GROUPS"]
 
 #: How many groups of weights (one layer's, or one tensor outside the layers) the cache keeps: two, so that a head
-#: (a norm, then the output projection) or a stem (token and position tables) is read once.
+#: (a norm, then the output projection) or a stem (token and position tables) is read once.  A new group is read only
+#: after the least recently used one is dropped, a layer's matrices are never held with another group's (another
+#: layer's, a token table), and the cache is emptied after each segment's certification.
 KEEP_GROUPS = 2
 
 _INDEX = "model.safetensors.index.json"
@@ -82,11 +89,19 @@ def _group(name: str) -> str:
     return m.group(1) if m else name
 
 
-def _finite(t: torch.Tensor, chunk: int = 1 << 22) -> bool:
-    """Every entry of ``t`` is finite, checked a chunk at a time (a float64 sum of a float32 tensor would first copy
-    it whole to float64: twice its size)."""
-    flat = t.reshape(-1)
-    return all(bool(torch.isfinite(c).all()) for c in flat.split(chunk))
+def _finite(t: torch.Tensor) -> bool:
+    """Every entry of the floating or complex tensor ``t`` is finite.
+
+    One reduction, no copy: ``torch.aminmax`` propagates NaN, so its minimum and maximum are both finite exactly when
+    every entry is (an inf is an extreme, a NaN makes both NaN).  An elementwise check allocates a bool per entry:
+    whole, a bool tensor of the table's shape; by chunks of 4M entries, the chunks were kept by the C allocator
+    between reads, 0.9 GiB of anonymous memory over a 1B Llama's layers (benchmarks/results/checkpoint.md)."""
+    if t.numel() == 0:
+        return True
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
 
 
 class _Weights:
@@ -148,19 +163,30 @@ class _Weights:
         if self.allowed is not None and name not in self.allowed:
             raise RuntimeError(f"this rank read {name!r}, a weight of another rank's layers (the partition of the "
                                "checkpoint's layers across ranks is broken)")
+        if held is None:  # room first: the dropped groups' pages are released before the new tensor is read
+            self._make_room(grp != name)
         t = self._read(name)
         self.stats.reads += 1
         self.stats.bytes_read += t.numel() * t.element_size()
         self.stats.read.add(name)
         if held is None:
             held = self._cache[grp] = {}
-            while len(self._cache) > KEEP_GROUPS:
-                self._cache.popitem(last=False)
         self._cache.move_to_end(grp)
         held[name] = t
         size = sum(v.numel() * v.element_size() for h in self._cache.values() for v in h.values())
         self.stats.peak_bytes = max(self.stats.peak_bytes, size)
         return t
+
+    def _make_room(self, layer: bool) -> None:
+        """Drop groups before a new one is read: a layer's group is never held with another group holding a matrix
+        (the previous layer, a token table, an output projection), and at most :data:`KEEP_GROUPS` - 1 groups stay
+        (least recently used dropped first).  Vectors (norms' weights, buffers) stay with a layer."""
+        for grp, held in list(self._cache.items()):
+            is_layer = any(n != grp for n in held)  # a layer's group is named by its prefix, another by its tensor
+            if (layer or is_layer) and any(v.dim() >= 2 for v in held.values()):
+                del self._cache[grp]
+        while len(self._cache) >= KEEP_GROUPS:
+            self._cache.popitem(last=False)
 
     def drop(self) -> None:
         """Empty the cache."""
@@ -371,10 +397,17 @@ def _certify_owned(g: Any, model_name: str, what: str, owners: Dict[str, int], r
         why = chain.notes[0] if chain is not None and chain.notes else "it has no residual update on one path"
         raise ValueError(f"{what} is not one chain of residual updates ({why}): certify the loaded model with "
                          "certblocks.certify instead")
-    certs = certify(g, chain) if certify is not None else \
-        {k: certify_segment(g, s, k) for k, s in enumerate(chain.segments) if owners[s.end.name] == rank}
-    if weights is not None:
-        weights.drop()
+    if certify is not None:
+        certs = certify(g, chain)
+        if weights is not None:
+            weights.drop()
+    else:
+        certs = {}
+        for k, s in enumerate(chain.segments):
+            if owners[s.end.name] == rank:
+                certs[k] = certify_segment(g, s, k)
+                if weights is not None:  # the next segment reads other weights (a tied table: the stem's and the
+                    weights.drop()  # head's, far apart): no two segments' tensors held at once
     if world > 1:
         import torch.distributed as dist
 

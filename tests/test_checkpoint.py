@@ -18,6 +18,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from certblocks import checkpoint as ckpt  # noqa: E402
 from certblocks import cli  # noqa: E402
 from certblocks._validation import NonFiniteWeightError  # noqa: E402
 from certblocks.checkpoint import KEEP_GROUPS, CheckpointStats, certify_checkpoint, is_checkpoint  # noqa: E402
@@ -93,6 +94,50 @@ def test_layer_by_layer_holds_at_most_two_groups(tmp_path):
     assert {n for n, _ in model.named_parameters()} <= stats.read  # every weight was read
     assert 0 < stats.peak_bytes <= largest < total  # never more than two groups at once
     assert stats.bytes_read >= total
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_a_layer_is_never_held_with_another_matrix_group(tmp_path, monkeypatch, tied):
+    """The cache drops its least recently used group before it reads a new one and is emptied after each segment:
+    a layer's matrices are never held with another layer's, nor with the token table or the output projection."""
+    directory, model = _write(tmp_path, _llama(tied), "20KB")
+    held = []
+    get = ckpt._Weights.get
+
+    def spy(self: Any, name: str) -> torch.Tensor:
+        t = get(self, name)
+        held.append(sorted(grp for grp, ts in self._cache.items() if any(v.dim() >= 2 for v in ts.values())))
+        return t
+
+    monkeypatch.setattr(ckpt._Weights, "get", spy)
+    stats = CheckpointStats()
+    rep = certify_checkpoint(directory, stats=stats)
+    monkeypatch.undo()
+    _assert_same(rep, _loaded(directory))
+    assert len(held) > len(list(model.parameters()))  # the run and the segments read through the cache
+    seen = {g[0] for g in held if g}
+    assert {"model.layers.0", "model.layers.2"} <= seen and {"model.embed_tokens.weight", "lm_head.weight"} & seen
+    assert max(len(g) for g in held) == 1, [g for g in held if len(g) > 1][:3]
+    table = model.config.vocab_size * model.config.hidden_size * 4
+    layer = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.startswith("model.layers.0."))
+    assert stats.peak_bytes < max(table, layer) + 4096  # the largest group and a norm's vector or a buffer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.complex64])
+def test_the_finiteness_check_finds_every_nan_and_inf(dtype):
+    gen = torch.Generator().manual_seed(0)
+    assert ckpt._finite(torch.empty(0, 3, dtype=dtype))
+    for n in (1, 2, 7, 33, 257, 4099, 70001):
+        t = torch.randn(n, generator=gen).to(dtype) * 100
+        assert ckpt._finite(t) and ckpt._finite(t.reshape(1, n).expand(3, n).t())
+        for pos in {0, n // 3, n - 1}:
+            for bad in (float("nan"), float("inf"), float("-inf")):
+                u = t.clone()
+                u[pos] = bad if not dtype.is_complex else complex(1.0, bad)
+                assert not ckpt._finite(u), (n, pos, bad)
+                assert not ckpt._finite(u.reshape(1, n).expand(2, n).t())  # not contiguous
+    big = torch.full((8,), torch.finfo(dtype).max if not dtype.is_complex else 3e38, dtype=dtype)
+    assert ckpt._finite(big)  # a sum would overflow; the extremes do not
 
 
 def test_a_trained_looking_checkpoint_refused_in_fp16_is_refused_the_same(tmp_path):
