@@ -44,7 +44,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set,
 import torch
 from torch import nn
 
-from ._validation import NonFiniteWeightError, check_int
+from ._validation import NonFiniteWeightError, all_finite, check_int
 
 __all__ = ["certify_checkpoint", "certify_ranks", "is_checkpoint", "CheckpointStats", "KEEP_GROUPS"]
 
@@ -87,21 +87,6 @@ def _group(name: str) -> str:
     """The group a weight is cached with: its layer (``model.layers.3``), or the tensor itself outside the layers."""
     m = _LAYER.match(name)
     return m.group(1) if m else name
-
-
-def _finite(t: torch.Tensor) -> bool:
-    """Every entry of the floating or complex tensor ``t`` is finite.
-
-    One reduction, no copy: ``torch.aminmax`` propagates NaN, so its minimum and maximum are both finite exactly when
-    every entry is (an inf is an extreme, a NaN makes both NaN).  An elementwise check allocates a bool per entry:
-    whole, a bool tensor of the table's shape; by chunks of 4M entries, the chunks were kept by the C allocator
-    between reads, 0.9 GiB of anonymous memory over a 1B Llama's layers (benchmarks/results/checkpoint.md)."""
-    if t.numel() == 0:
-        return True
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    lo, hi = torch.aminmax(t)
-    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
 
 
 class _Weights:
@@ -149,7 +134,7 @@ class _Weights:
             t = fh.get_tensor(key)
         if t.is_floating_point() and name not in self.buffers:
             t = t.to(self.dtype)
-        if (t.is_floating_point() or t.is_complex()) and not _finite(t):
+        if (t.is_floating_point() or t.is_complex()) and not all_finite(t):
             raise NonFiniteWeightError([(name, int((~torch.isfinite(t)).sum()))])
         return t
 

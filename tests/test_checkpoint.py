@@ -20,7 +20,7 @@ pytest.importorskip("safetensors")
 
 from certblocks import checkpoint as ckpt  # noqa: E402
 from certblocks import cli  # noqa: E402
-from certblocks._validation import NonFiniteWeightError  # noqa: E402
+from certblocks._validation import NonFiniteWeightError, all_finite  # noqa: E402
 from certblocks.checkpoint import KEEP_GROUPS, CheckpointStats, certify_checkpoint, is_checkpoint  # noqa: E402
 from certblocks.trace import certify  # noqa: E402
 
@@ -126,18 +126,18 @@ def test_a_layer_is_never_held_with_another_matrix_group(tmp_path, monkeypatch, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.complex64])
 def test_the_finiteness_check_finds_every_nan_and_inf(dtype):
     gen = torch.Generator().manual_seed(0)
-    assert ckpt._finite(torch.empty(0, 3, dtype=dtype))
+    assert all_finite(torch.empty(0, 3, dtype=dtype))
     for n in (1, 2, 7, 33, 257, 4099, 70001):
         t = torch.randn(n, generator=gen).to(dtype) * 100
-        assert ckpt._finite(t) and ckpt._finite(t.reshape(1, n).expand(3, n).t())
+        assert all_finite(t) and all_finite(t.reshape(1, n).expand(3, n).t())
         for pos in {0, n // 3, n - 1}:
             for bad in (float("nan"), float("inf"), float("-inf")):
                 u = t.clone()
                 u[pos] = bad if not dtype.is_complex else complex(1.0, bad)
-                assert not ckpt._finite(u), (n, pos, bad)
-                assert not ckpt._finite(u.reshape(1, n).expand(2, n).t())  # not contiguous
+                assert not all_finite(u), (n, pos, bad)
+                assert not all_finite(u.reshape(1, n).expand(2, n).t())  # not contiguous
     big = torch.full((8,), torch.finfo(dtype).max if not dtype.is_complex else 3e38, dtype=dtype)
-    assert ckpt._finite(big)  # a sum would overflow; the extremes do not
+    assert all_finite(big)  # a sum would overflow; the extremes do not
 
 
 def test_a_trained_looking_checkpoint_refused_in_fp16_is_refused_the_same(tmp_path):
