@@ -9,7 +9,7 @@ replace a module have a ``from_module`` classmethod that builds them from it and
 
 from .attention import Attention, QKNorm, QKNormAttention
 from .dyt import DyT, PreNormed, QKDyTAttention
-from .gain import LayerScale, ScaledBranch
+from .gain import LayerScale, ScaledBranch, gain_param_groups
 from .mamba import LinearGrowthMamba, Mamba
 from .mlp import MLP, GatedMLP
 from .normed import NormedUpdate
@@ -34,4 +34,5 @@ __all__ = [
     "RotaryQKNormAttention",
     "ScaledBranch",
     "TokenBatchNorm",
+    "gain_param_groups",
 ]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import certblocks.testing as cbt
-from certblocks.blocks import MLP, LayerScale, QKNormAttention, ScaledBranch
+from certblocks.blocks import MLP, LayerScale, QKNormAttention, ScaledBranch, gain_param_groups
 
 
 def _gained(branch: torch.nn.Module, dim: int, low: float, high: float) -> ScaledBranch:
@@ -55,3 +55,26 @@ def test_enforce_caps_the_gain():
     assert half.c == pytest.approx(0.5 * worst.c) and half.l0 == pytest.approx(0.5 * worst.l0)
     alpha, stack = cap_factor([("u", block)], "fp16", r0=1.0)
     assert alpha > 0 and stack.ok
+
+
+def test_gain_param_groups_put_every_gain_in_its_own_group_at_the_scaled_rate():
+    from certblocks.zoo import create_model
+
+    torch.manual_seed(0)
+    model = create_model("gpt2_dyt_test")  # tied embedding / head, DyTs, gains
+    groups = gain_param_groups(model, 1e-3, weight_decay=0.1, gain_lr_scale=30.0)
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert len(ids) == len(set(ids)) and set(ids) == {id(p) for p in model.parameters()}  # each once, tied once
+    matrices, vectors, gains = groups
+    assert gains["lr"] == pytest.approx(0.03) and gains["weight_decay"] == 0.0
+    assert {id(p) for p in gains["params"]} == {id(m.gamma) for m in model.modules() if isinstance(m, LayerScale)}
+    assert matrices["weight_decay"] == 0.1 and all(p.ndim >= 2 for p in matrices["params"])
+    assert vectors["weight_decay"] == 0.0 and all(p.ndim < 2 for p in vectors["params"])
+    opt = torch.optim.AdamW(groups, lr=1e-3)  # the groups' own rates and a scheduler scales each
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([5e-4, 5e-4, 1.5e-2]) and sched is not None
+    plain = torch.nn.Linear(3, 3)  # no gains: no gain group
+    assert len(gain_param_groups(plain, 1e-3)) == 2
+    for kw in ({"gain_lr_scale": 0.0}, {"weight_decay": -1.0}, {"gain_lr_scale": float("nan")}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            gain_param_groups(model, 1e-3, **kw)
