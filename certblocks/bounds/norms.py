@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
@@ -136,6 +137,8 @@ _KRYLOV_TOL = 1e-5
 _KRYLOV_EVERY = 4
 #: Block size of the blocked Cholesky factorization on the CPU.
 _CHOL_BLOCK = 192
+#: Rows of the Cholesky panel solved in one triangular solve (the pieces split between threads).
+_PANEL_ROWS = 512
 #: Absolute error of one float64 operation that underflows (the smallest normal: covers flush-to-zero too).
 _ETA = 2.0**-1022
 
@@ -364,21 +367,93 @@ def _up(x: float, ops: int = 1) -> float:
     return x * (1.0 + 2.0 * (ops + 1) * UNIT_ROUNDOFF)
 
 
-def _block_gram(a: torch.Tensor) -> torch.Tensor:
-    """``fl(A^T A)`` for a batch ``(B, m, k)``: only the upper block triangle multiplied (up to 8 column blocks),
-    each lower block the transpose of its upper one; every entry an inner product of length ``m`` (module
-    docstring, fast bound step 1)."""
-    k = a.shape[-1]
+#: The pool that splits one matrix's float64 work (Gram blocks, Cholesky updates) between the caller's CPU threads,
+#: set by :func:`_split_work` around one fast bound; ``None``: every task in the calling thread.
+_POOL: contextvars.ContextVar[Optional[ThreadPoolExecutor]] = contextvars.ContextVar("certblocks_norms_pool",
+                                                                                      default=None)
+
+
+@contextlib.contextmanager
+def _split_work(workers: int) -> Iterator[None]:
+    """Inside the block, :func:`_run` spreads its tasks over ``workers`` threads (none when ``workers <= 1``).
+
+    Entered inside :func:`one_thread`: each worker reads the thread count (one) when it starts, so every torch op
+    runs on one thread, as in the calling thread.  The tasks write disjoint parts of their outputs, each computed by
+    the same operations as in one thread: the values are the same, bit for bit, whatever the number of workers.
+    """
+    if workers <= 1:
+        yield
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="certblocks-gram", initializer=torch.get_num_threads) as pool:
+        token = _POOL.set(pool)
+        try:
+            yield
+        finally:
+            _POOL.reset(token)
+
+
+def _run(tasks: Sequence[Callable[[], Any]]) -> None:
+    """Run ``tasks`` (independent, writing disjoint memory) on the pool of :func:`_split_work`, or in order here."""
+    pool = _POOL.get()
+    if pool is None or len(tasks) <= 1:
+        for task in tasks:
+            task()
+        return
+    inference = torch.is_inference_mode_enabled()  # an inference tensor is written in inference mode only
+
+    def call(task: Callable[[], Any]) -> None:
+        with torch.inference_mode(inference), torch.no_grad():
+            task()
+
+    for future in [pool.submit(call, task) for task in tasks]:
+        future.result()
+
+
+def _workers() -> int:
+    """How many threads :func:`_run` may use: ``torch.get_num_threads()`` (read before :func:`one_thread`)."""
+    return pool._max_workers if (pool := _POOL.get()) is not None else 1
+
+
+def _block_rows(k: int) -> List[Tuple[int, int]]:
+    """The block rows ``[i0, i1)`` of a ``k x k`` Gram matrix (up to 8 of about 192 columns or more)."""
     parts = min(8, max(1, round(k / 192)))
-    if parts == 1:
-        return a.mT @ a
     width = -(-k // parts)
-    g = a.new_empty(a.shape[0], k, k)
-    for i0 in range(0, k, width):
-        i1 = min(i0 + width, k)
-        g[..., i0:i1, i0:] = a[..., i0:i1].mT @ a[..., i0:]
+    return [(i0, min(i0 + width, k)) for i0 in range(0, k, width)]
+
+
+def _gram_upper_into(a: torch.Tensor, g: torch.Tensor, accumulate: bool) -> None:
+    """``g``'s upper block triangle ``(+)= A^T A`` for a float64 batch ``a`` ``(B, r, k)``; block row ``i`` paired
+    with block row ``-1 - i`` (the same work in each task: the triangle's short and long rows)."""
+    rows = _block_rows(a.shape[-1])
+
+    def block_row(i0: int, i1: int) -> None:
+        g[..., i0:i1, i0:].baddbmm_(a[..., i0:i1].mT, a[..., i0:], beta=1.0 if accumulate else 0.0)
+
+    pairs = [[rows[i], rows[-1 - i]] if 2 * i + 1 < len(rows) else [rows[i]] for i in range((len(rows) + 1) // 2)]
+    _run([functools.partial(lambda pair: [block_row(*r) for r in pair], pair) for pair in pairs])
+
+
+def _gram_mirror(g: torch.Tensor) -> None:
+    """Copy ``g``'s upper block triangle to its lower one (each lower block the transpose of its upper one)."""
+    rows = _block_rows(g.shape[-1])
+    k = g.shape[-1]
+
+    def mirror(i0: int, i1: int) -> None:
         if i1 < k:
             g[..., i1:, i0:i1] = g[..., i0:i1, i1:].mT
+
+    _run([functools.partial(mirror, *r) for r in rows])
+
+
+def _block_gram(a: torch.Tensor) -> torch.Tensor:
+    """``fl(A^T A)`` for a float64 batch ``(B, m, k)``: only the upper block triangle multiplied (up to 8 column
+    blocks, split between the threads of :func:`_split_work`), each lower block the transpose of its upper one; every
+    entry an inner product of length ``m`` (module docstring, fast bound step 1)."""
+    if len(_block_rows(a.shape[-1])) == 1:
+        return a.mT @ a
+    g = a.new_empty(a.shape[0], a.shape[-1], a.shape[-1])
+    _gram_upper_into(a, g, accumulate=False)
+    _gram_mirror(g)
     return g
 
 
@@ -387,19 +462,32 @@ def _block_gram(a: torch.Tensor) -> torch.Tensor:
 GRAM_CHUNK_ELEMENTS = 1 << 23
 
 
-def _row_chunked_gram(a: torch.Tensor, as64: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``fl(A^T A)`` of a batch ``(B, m, k)`` read into float64 by ``as64`` in chunks of rows, the chunks' Gram
-    matrices (:func:`_block_gram`) summed.  Every entry is still an inner product of length ``m``, summed in another
-    order: the rounding bound of step 1 (``gamma_m |A|^T |A|``) holds for any order of summation."""
+def _row_chunked_gram(a: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``fl(A^T A)`` of a batch ``(B, m, k)`` read into float64 in chunks of rows (each multiplied by ``scale``, a
+    power of two per matrix of shape ``(B, 1, 1)``, when given), the chunks' products accumulated into the upper
+    block triangle.  Every entry is still an inner product of length ``m``, summed in another order: the rounding
+    bound of step 1 (``gamma_m |A|^T |A|``) holds for any order of summation.  On the CPU the conversion and the
+    blocks are split between the threads of :func:`_split_work`."""
     B, m, k = a.shape
     rows = max(1, GRAM_CHUNK_ELEMENTS // max(B * k, 1))
-    if rows >= m:
-        return _block_gram(as64(a))
-    g = None
+    if rows >= m and a.dtype == torch.float64 and scale is None:
+        return _block_gram(a)
+    buf = torch.empty((B, min(rows, m), k), dtype=torch.float64, device=a.device)
+    g = torch.empty((B, k, k), dtype=torch.float64, device=a.device)
+    step = -(-buf.shape[1] // _workers())
+
+    def convert(src: torch.Tensor, dst: torch.Tensor) -> None:  # exact: a wider dtype, times a power of two
+        dst.copy_(src)
+        if scale is not None:
+            dst.mul_(scale)
+
     for r0 in range(0, m, rows):
-        part = _block_gram(as64(a[:, r0:r0 + rows]))
-        g = part if g is None else g.add_(part)
-    assert g is not None
+        chunk = a[:, r0:r0 + rows]
+        part = buf[:, :chunk.shape[1]]
+        _run([functools.partial(convert, chunk[:, h:h + step], part[:, h:h + step])
+              for h in range(0, part.shape[1], step)])
+        _gram_upper_into(part, g, accumulate=r0 > 0)
+    _gram_mirror(g)
     return g
 
 
@@ -409,20 +497,37 @@ def _cholesky_completes(shifted: torch.Tensor) -> List[bool]:
     On the CPU a right-looking blocked factorization (diagonal blocks by LAPACK, the panel by a triangular solve,
     the trailing lower block columns by matrix products: the same inner products in another order, so the same
     error bound, module docstring step 3), about 1.5x faster than one LAPACK call on one thread; elsewhere one call.
+    The panel's rows and the trailing block columns are split between the threads of :func:`_split_work` (disjoint
+    writes, the same operations: the same factor).
     """
     n = shifted.shape[-1]
     if shifted.device.type != "cpu" or n <= 2 * _CHOL_BLOCK:
         return [i == 0 for i in torch.linalg.cholesky_ex(shifted)[1].cpu().tolist()]
     ok = torch.ones(shifted.shape[0], dtype=torch.bool)
+    workers = _workers()
     for j in range(0, n, _CHOL_BLOCK):
         e = min(j + _CHOL_BLOCK, n)
         l11, info = torch.linalg.cholesky_ex(shifted[..., j:e, j:e])
         ok &= info.cpu() == 0
         if e < n:
-            l21 = torch.linalg.solve_triangular(l11, shifted[..., e:, j:e].mT, upper=False).mT
-            for c0 in range(e, n, _CHOL_BLOCK):
-                c1 = min(c0 + _CHOL_BLOCK, n)
-                shifted[..., c0:, c0:c1] -= l21[..., c0 - e:, :] @ l21[..., c0 - e:c1 - e, :].mT
+            panel = shifted[..., e:, j:e]
+
+            def solve(r0: int, l11: torch.Tensor = l11, panel: torch.Tensor = panel) -> None:
+                # L21 = A21 L11^{-T}, by pieces of rows of a fixed size (the same pieces for any number of workers)
+                r1 = r0 + _PANEL_ROWS
+                panel[..., r0:r1, :] = torch.linalg.solve_triangular(l11, panel[..., r0:r1, :].mT, upper=False).mT
+
+            _run([functools.partial(solve, r0) for r0 in range(0, n - e, _PANEL_ROWS)])
+            cols = list(range(e, n, _CHOL_BLOCK))
+
+            def update(c0s: List[int], e: int = e, panel: torch.Tensor = panel) -> None:
+                for c0 in c0s:
+                    c1 = min(c0 + _CHOL_BLOCK, n)
+                    shifted[..., c0:, c0:c1] -= panel[..., c0 - e:, :] @ panel[..., c0 - e:c1 - e, :].mT
+
+            # block column c0 costs (n - c0): dealt round-robin from both ends, the workers get about the same work
+            order = [cols[i // 2] if i % 2 == 0 else cols[-1 - i // 2] for i in range(len(cols))]
+            _run([functools.partial(update, order[w::workers]) for w in range(min(workers, len(cols)))])
     return ok.tolist()
 
 
@@ -502,11 +607,7 @@ def _fast_bounds(a: torch.Tensor) -> List[float]:
     scale = torch.tensor([2.0 ** -exps[i] for i in todo], dtype=torch.float64, device=a.device).reshape(-1, 1, 1) \
         if any(exps[i] for i in todo) else None
 
-    def as64(rows: torch.Tensor) -> torch.Tensor:  # exact (a power of two), rows of every matrix of the batch
-        r64 = rows.to(torch.float64)
-        return r64 if scale is None else r64 * scale
-
-    g = _row_chunked_gram(src, as64)
+    g = _row_chunked_gram(src, scale)
     # a NaN or an infinity reaches the diagonal (a sum of squares); >= the exact sum of the computed diagonal
     fro2 = (g.diagonal(dim1=-2, dim2=-1).sum(-1) * (1.0 + _gamma(k) + u)).cpu().tolist()
     live = []
@@ -588,7 +689,8 @@ def _fast_op_norms(a: torch.Tensor) -> Optional[List[float]]:
         return None
     if a.shape[-2] < a.shape[-1]:
         a = a.mT
-    with one_thread():
+    workers = torch.get_num_threads() if a.device.type == "cpu" else 1  # inside concurrent_calls: one
+    with one_thread(), _split_work(workers):
         return _fast_bounds(a)
 
 

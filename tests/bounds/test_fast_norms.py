@@ -247,8 +247,9 @@ def test_a_gram_read_in_row_chunks_keeps_every_bound(monkeypatch, dtype):
     w = torch.cat([w, torch.zeros(1, 520, 300, dtype=torch.float64)]).to(dtype)
     whole = bounds.op_norms(w)
     seen = []
-    block = norms._block_gram
-    monkeypatch.setattr(norms, "_block_gram", lambda a: seen.append(a.shape[1]) or block(a))
+    upper = norms._gram_upper_into
+    monkeypatch.setattr(norms, "_gram_upper_into", lambda a, g, accumulate: seen.append(a.shape[1]) or upper(a, g,
+                                                                                                             accumulate))
     monkeypatch.setattr(norms, "GRAM_CHUNK_ELEMENTS", 4 * 300 * 64)  # 64 rows of the batch of 4 at a time
     chunked = bounds.op_norms(w)
     assert max(seen) == 64 and len(seen) >= 520 // 64
@@ -256,7 +257,7 @@ def test_a_gram_read_in_row_chunks_keeps_every_bound(monkeypatch, dtype):
         e = _exact(m)
         assert e <= g_chunked <= e * FACTOR and g_chunked == pytest.approx(g_whole, rel=1e-12, abs=0.0)
     a = w[:1].double()
-    g = norms._row_chunked_gram(a, lambda rows: rows.to(torch.float64))
+    g = norms._row_chunked_gram(a)
     assert torch.allclose(g, a.mT @ a, rtol=0, atol=1e-12 * float((a.mT @ a).abs().max()))
     monkeypatch.setattr(norms, "_cholesky_completes", lambda shifted: [False] * shifted.shape[0])
     for got, m in zip(bounds.op_norms(w), w):  # the tight fallback reads its matrix again
@@ -324,3 +325,55 @@ def test_fast_bound_on_cuda(dtype):
         exact = _exact(w)
         got = bounds.op_norm(w.cuda())
         assert exact <= got <= exact * FACTOR
+
+
+def _with_threads(n: int, f):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return f()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_work_split_between_threads_gives_the_same_bounds(monkeypatch):
+    """With two CPU threads the Gram blocks, the row chunks' conversion, the Cholesky panel and its trailing updates
+    are split between two workers: the same bounds, bit for bit, as one thread (row chunks, a scaled float64 matrix
+    and the blocked factorization included), in inference mode too, and the split really ran on two workers."""
+    gen = torch.Generator().manual_seed(15)
+    w = torch.stack([_family(f, (1100, 900), gen) for f in ("gaussian", "tied_top", "all_ones")])
+    w[1] *= 1e-200
+    cases = [w, w[0].float(), w[2].to(torch.bfloat16).mT]
+    split = []
+    real_run = norms._run
+
+    def spy(tasks):
+        split.append((norms._POOL.get() is not None, len(tasks)))
+        return real_run(tasks)
+
+    monkeypatch.setattr(norms, "_run", spy)
+    monkeypatch.setattr(norms, "GRAM_CHUNK_ELEMENTS", 3 * 900 * 256)  # 256 rows of the batch of 3 at a time
+    one = _with_threads(1, lambda: [bounds.op_norms(c) for c in cases])
+    assert not any(pooled for pooled, _ in split)
+    split.clear()
+    two = _with_threads(2, lambda: [bounds.op_norms(c) for c in cases])
+    assert any(pooled and n > 1 for pooled, n in split)
+    assert one == two
+    with torch.inference_mode():
+        assert _with_threads(2, lambda: bounds.op_norms(cases[0])) == one[0]
+    for got, c in zip(two, cases):
+        for g, m in zip(got, c.reshape(-1, *c.shape[-2:])):
+            e = _exact(m)
+            assert e <= g <= e * FACTOR
+
+
+def test_no_split_inside_concurrent_calls(monkeypatch):
+    # concurrent_calls already runs tasks side by side, one thread each: a norm inside one splits nothing
+    pools = []
+    real_run = norms._run
+    monkeypatch.setattr(norms, "_run", lambda tasks: pools.append(norms._POOL.get()) or real_run(tasks))
+    gen = torch.Generator().manual_seed(16)
+    ws = [torch.randn(700, 600, generator=gen) for _ in range(2)]
+    got = _with_threads(2, lambda: bounds.concurrent_calls([lambda w=w: bounds.op_norm(w) for w in ws]))
+    assert pools and all(p is None for p in pools)
+    assert got == [_with_threads(1, lambda w=w: bounds.op_norm(w)) for w in ws]
