@@ -414,6 +414,25 @@ def _workers() -> int:
     return pool._max_workers if (pool := _POOL.get()) is not None else 1
 
 
+def _copy_by_rows(dst: torch.Tensor, src: torch.Tensor, scale: Optional[torch.Tensor] = None,
+                  negate: bool = False) -> None:
+    """``dst[:] = src`` (times ``scale``, broadcast over the batch, when given; negated with ``negate``) for batches
+    ``(B, r, k)``, the rows split between the threads of :func:`_split_work`."""
+    r = dst.shape[1]
+    step = -(-r // _workers())
+
+    def rows(r0: int) -> None:
+        part = dst[:, r0:r0 + step]
+        if negate:
+            torch.neg(src[:, r0:r0 + step], out=part)
+        else:
+            part.copy_(src[:, r0:r0 + step])
+        if scale is not None:
+            part.mul_(scale)
+
+    _run([functools.partial(rows, r0) for r0 in range(0, r, step)])
+
+
 def _block_rows(k: int) -> List[Tuple[int, int]]:
     """The block rows ``[i0, i1)`` of a ``k x k`` Gram matrix (up to 8 of about 192 columns or more)."""
     parts = min(8, max(1, round(k / 192)))
@@ -474,18 +493,10 @@ def _row_chunked_gram(a: torch.Tensor, scale: Optional[torch.Tensor] = None) -> 
         return _block_gram(a)
     buf = torch.empty((B, min(rows, m), k), dtype=torch.float64, device=a.device)
     g = torch.empty((B, k, k), dtype=torch.float64, device=a.device)
-    step = -(-buf.shape[1] // _workers())
-
-    def convert(src: torch.Tensor, dst: torch.Tensor) -> None:  # exact: a wider dtype, times a power of two
-        dst.copy_(src)
-        if scale is not None:
-            dst.mul_(scale)
-
     for r0 in range(0, m, rows):
         chunk = a[:, r0:r0 + rows]
         part = buf[:, :chunk.shape[1]]
-        _run([functools.partial(convert, chunk[:, h:h + step], part[:, h:h + step])
-              for h in range(0, part.shape[1], step)])
+        _copy_by_rows(part, chunk, scale)  # exact: a wider dtype, times a power of two
         _gram_upper_into(part, g, accumulate=r0 > 0)
     _gram_mirror(g)
     return g
@@ -509,21 +520,25 @@ def _cholesky_completes(shifted: torch.Tensor) -> List[bool]:
         e = min(j + _CHOL_BLOCK, n)
         l11, info = torch.linalg.cholesky_ex(shifted[..., j:e, j:e])
         ok &= info.cpu() == 0
+        if not bool(ok.any()):
+            break  # no matrix of the batch factors: nothing left to decide
         if e < n:
             panel = shifted[..., e:, j:e]
 
             def solve(r0: int, l11: torch.Tensor = l11, panel: torch.Tensor = panel) -> None:
                 # L21 = A21 L11^{-T}, by pieces of rows of a fixed size (the same pieces for any number of workers)
                 r1 = r0 + _PANEL_ROWS
-                panel[..., r0:r1, :] = torch.linalg.solve_triangular(l11, panel[..., r0:r1, :].mT, upper=False).mT
+                panel[..., r0:r1, :] = torch.linalg.solve_triangular(l11.mT, panel[..., r0:r1, :], upper=True,
+                                                                     left=False)
 
             _run([functools.partial(solve, r0) for r0 in range(0, n - e, _PANEL_ROWS)])
             cols = list(range(e, n, _CHOL_BLOCK))
 
             def update(c0s: List[int], e: int = e, panel: torch.Tensor = panel) -> None:
-                for c0 in c0s:
+                for c0 in c0s:  # in place: A22 - L21 L21^T, no product allocated
                     c1 = min(c0 + _CHOL_BLOCK, n)
-                    shifted[..., c0:, c0:c1] -= panel[..., c0 - e:, :] @ panel[..., c0 - e:c1 - e, :].mT
+                    shifted[..., c0:, c0:c1].baddbmm_(panel[..., c0 - e:, :], panel[..., c0 - e:c1 - e, :].mT,
+                                                      alpha=-1.0)
 
             # block column c0 costs (n - c0): dealt round-robin from both ends, the workers get about the same work
             order = [cols[i // 2] if i % 2 == 0 else cols[-1 - i // 2] for i in range(len(cols))]
@@ -544,9 +559,15 @@ def _krylov_top(g: torch.Tensor, *, tol: float = _KRYLOV_TOL, min_steps: int = 0
     """
     B, k = g.shape[0], g.shape[-1]
     steps = min(max_steps, k)
-    # float32 after dividing by the largest diagonal entry (|g_ij| <= max g_ii for a Gram matrix): no underflow
+    # float32 after dividing by the largest diagonal entry (|g_ij| <= max g_ii for a Gram matrix): no underflow; a
+    # plain conversion (faster) when every top entry lies in [2^-60, 2^60] (nothing the estimate needs underflows)
     top = g.diagonal(dim1=-2, dim2=-1).amax(-1).clamp_min(1e-300)
-    G = (g / top[:, None, None]).to(torch.float32)
+    G = torch.empty(g.shape, dtype=torch.float32, device=g.device)
+    if bool(((top >= 2.0**-60) & (top <= 2.0**60)).all()):
+        _copy_by_rows(G, g)
+        top = torch.ones_like(top)
+    else:
+        G.copy_(g / top[:, None, None])
     gen = torch.Generator(device=g.device)
     gen.manual_seed(0x5EED)
     V = G.new_zeros(B, steps + 1, k)  # the basis, one vector per row
@@ -638,7 +659,8 @@ def _fast_bounds(a: torch.Tensor) -> List[float]:
             for idx, j in enumerate(pending):
                 theta[j] = max(theta[j], again[idx])
         ts = [theta[j] * (1.0 + tau) + 1e-300 for j in pending]  # > 0: a zero estimate still shifts
-        shifted = gp.neg()
+        shifted = torch.empty_like(gp)
+        _copy_by_rows(shifted, gp, negate=True)
         shifted.diagonal(dim1=-2, dim2=-1).add_(torch.tensor(ts, dtype=g.dtype, device=g.device).reshape(-1, 1))
         sd = shifted.diagonal(dim1=-2, dim2=-1).abs()
         trace = (sd.sum(-1) * (1.0 + _gamma(k) + u)).cpu().tolist()
