@@ -79,14 +79,14 @@ def timed_bounds(into: List[float]) -> Iterator[None]:
 @contextmanager
 def norms_on_one_thread() -> Iterator[None]:
     """Keep each norm's float64 work on one thread while inside (no split between the workers of ``_split_work``)."""
-    from certblocks.bounds import norms
+    from certblocks.bounds import _fast
 
-    saved = norms._split_work
-    norms._split_work = lambda workers: saved(1)
+    saved = _fast._split_work
+    _fast._split_work = lambda workers: saved(1)
     try:
         yield
     finally:
-        norms._split_work = saved
+        _fast._split_work = saved
 
 
 def coefficients(cert: Any) -> List[float]:
