@@ -52,6 +52,7 @@ def _up(x: float, ops: int = 1) -> float:
 #: set by :func:`_split_work` around one fast bound; ``None``: every task in the calling thread.
 _POOL: contextvars.ContextVar[Optional[ThreadPoolExecutor]] = contextvars.ContextVar("certblocks_norms_pool",
                                                                                       default=None)
+_WORKERS: contextvars.ContextVar[int] = contextvars.ContextVar("certblocks_norms_workers", default=1)
 
 
 @contextlib.contextmanager
@@ -66,10 +67,11 @@ def _split_work(workers: int) -> Iterator[None]:
         yield
         return
     with ThreadPoolExecutor(workers, thread_name_prefix="certblocks-gram", initializer=torch.get_num_threads) as pool:
-        token = _POOL.set(pool)
+        token, count = _POOL.set(pool), _WORKERS.set(workers)
         try:
             yield
         finally:
+            _WORKERS.reset(count)
             _POOL.reset(token)
 
 
@@ -92,7 +94,7 @@ def _run(tasks: Sequence[Callable[[], Any]]) -> None:
 
 def _workers() -> int:
     """How many threads :func:`_run` may use: ``torch.get_num_threads()`` (read before `norms.one_thread`)."""
-    return pool._max_workers if (pool := _POOL.get()) is not None else 1
+    return _WORKERS.get()
 
 
 def _copy_by_rows(dst: torch.Tensor, src: torch.Tensor, scale: Optional[torch.Tensor] = None,
