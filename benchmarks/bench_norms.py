@@ -11,7 +11,9 @@ median of ``--repeats`` runs, interleaved, of:
 * ``certify``: ``certblocks.trace.certify(model, ids)`` with the default (``"fast"``) norms, split into
   ``capture`` (``torch.export`` and one concrete run, timed on its own), ``bounds`` (the time spent computing
   spectral norms, measured inside the same call) and the rest (the analysis);
-* ``certify_tight``: the same under ``norm_precision("tight")`` (the float64 eigensolver on every matrix).
+* ``certify_tight``: the same under ``norm_precision("tight")`` (the float64 eigensolver on every matrix);
+* ``certify_1t``: the default norms with their work kept on one thread (each matrix's Gram blocks and Cholesky
+  updates not split between the threads: the fast path before that split), for the comparison in the same run.
 
 It also checks that the fast certificate's coefficients are within the fast slack of the tight one's (the
 largest relative difference over every segment's ``c, b, l1, l0``) and never below them.  Models: HF
@@ -74,6 +76,19 @@ def timed_bounds(into: List[float]) -> Iterator[None]:
             setattr(norms, n, saved[n])
 
 
+@contextmanager
+def norms_on_one_thread() -> Iterator[None]:
+    """Keep each norm's float64 work on one thread while inside (no split between the workers of ``_split_work``)."""
+    from certblocks.bounds import _fast
+
+    saved = _fast._split_work
+    _fast._split_work = lambda workers: saved(1)
+    try:
+        yield
+    finally:
+        _fast._split_work = saved
+
+
 def coefficients(cert: Any) -> List[float]:
     segs = list(getattr(cert, "segments", None) or getattr(cert, "updates", []))
     for extra in (getattr(cert, "stem", None), getattr(cert, "head", None)):
@@ -108,7 +123,8 @@ def run_model(name: str, threads: List[int], repeats: int, seq_len: int) -> Dict
     res["fast_over_tight_min"] = min(ratios, default=1.0)
     for n in threads:
         torch.set_num_threads(n)
-        rows: Dict[str, List[float]] = {k: [] for k in ("sweep", "certify", "capture", "bounds", "certify_tight")}
+        rows: Dict[str, List[float]] = {k: [] for k in ("sweep", "certify", "capture", "bounds", "certify_tight",
+                                                        "certify_1t", "bounds_1t")}
         for _ in range(repeats):
             t0 = time.perf_counter()
             for p in mats:
@@ -127,15 +143,24 @@ def run_model(name: str, threads: List[int], repeats: int, seq_len: int) -> Dict
                 t0 = time.perf_counter()
                 certify(model, ids)
                 rows["certify_tight"].append(time.perf_counter() - t0)
+            spent = [0.0]
+            with timed_bounds(spent), norms_on_one_thread():
+                t0 = time.perf_counter()
+                certify(model, ids)
+                rows["certify_1t"].append(time.perf_counter() - t0)
+            rows["bounds_1t"].append(spent[0])
         med = {k: statistics.median(v) for k, v in rows.items()}
         med["rest"] = med["certify"] - med["capture"] - med["bounds"]
         med["ratio"] = med["certify"] / med["sweep"]
         med["ratio_tight"] = med["certify_tight"] / med["sweep"]
+        med["ratio_1t"] = med["certify_1t"] / med["sweep"]
         res["by_threads"][n] = {"median_s": {k: round(v, 3) for k, v in med.items()},
                                 "runs_s": {k: [round(x, 3) for x in v] for k, v in rows.items()}}
         print(f"{name:8s} threads {n}: sweep {med['sweep']:.2f} s | certify {med['certify']:.2f} s "
               f"(capture {med['capture']:.2f}, bounds {med['bounds']:.2f}, rest {med['rest']:.2f}) "
-              f"ratio {med['ratio']:.3f} | tight {med['certify_tight']:.2f} s ratio {med['ratio_tight']:.3f}",
+              f"ratio {med['ratio']:.3f} | tight {med['certify_tight']:.2f} s ratio {med['ratio_tight']:.3f} | "
+              f"norms on one thread {med['certify_1t']:.2f} s (bounds {med['bounds_1t']:.2f}) "
+              f"ratio {med['ratio_1t']:.3f}",
               flush=True)
     print(f"{name:8s} fast / tight coefficients: max {res['fast_over_tight_max']:.7f}, "
           f"min {res['fast_over_tight_min']:.7f} over {res['coefficients']}", flush=True)

@@ -49,7 +49,7 @@ Above :data:`EXACT_LIMIT` on the smaller side the eigenvalue problem gets slow (
 Gram-power bound ``||W||_2 <= ||G^p||_F^(1/(2p))`` (``p = 2^6``) is used: rigorous, at most a factor
 ``k^(1/(4p))`` above the exact norm (``1.03`` at ``k = 8192``), with its own rounding margin.
 
-**The fast bound** (:func:`_fast_bounds`).  ``W`` (``m x k``, ``k <= m``, any float dtype) is read in
+**The fast bound** (`certblocks.bounds._fast`).  ``W`` (``m x k``, ``k <= m``, any float dtype) is read in
 float64 (exact); a float64 ``W`` whose largest entry lies outside ``[2^-300, 2^300]`` is multiplied by a power of
 two ``2^-e`` (exact unless an entry underflows: an error of at most ``eta`` per entry, ``eta = 2^-1022``, which
 also covers a flush-to-zero of a subnormal; a matrix of a narrower dtype never needs it: its products neither
@@ -77,6 +77,29 @@ upper block row, the lower triangle a copy: every entry an inner product of leng
 When no step of :data:`FAST_STEPS` factors, the tight path runs on the same ``G_hat`` (its margin covers the
 blockwise Gram: the same ``gamma_m`` bound); a matrix with a NaN or an infinity has the bound ``inf``.
 
+**Two threads on one matrix.**  On the CPU the fast bound of one matrix uses the caller's threads
+(``torch.get_num_threads()``, one torch op per thread, `_fast._split_work`): the Gram matrix's block rows (row ``i``
+paired with row ``-1 - i``: equal work), the row chunks' conversion to float64, the Cholesky panel (fixed pieces of
+`_fast._PANEL_ROWS` rows) and its trailing block columns.  Every task writes its own entries with the operations it
+would run alone, so the bound is the same, bit for bit, for any number of threads; inside :func:`concurrent_calls`
+(already one matrix per thread) nothing is split.  The Krylov iteration stays on one thread (many small steps).
+
+**Why the Gram matrix stays in float64.**  A float32 Gram matrix (half the bytes, about twice the matrix-product
+rate) needs its own rounding term.  Formed from chunks of ``c`` rows in float32 (``u' = 2^-24``) and summed in
+float64, ``|G_32 - G| <= gamma'_c |A|^T |A|`` entrywise (Higham, section 3.1, any order of summation; the float64
+sum adds ``gamma_{m/c}`` of the same), so ``||G_32 - G||_2 <= gamma'_c rho(|A|^T |A|)``, the Perron root of
+``|A|^T |A|`` (bounded from above by Collatz-Wielandt with any positive vector).  For a dense matrix with entries of
+both signs this root is large against ``||A||_2^2``: about ``(2/pi) m k s^2`` against ``(sqrt(m) + sqrt(k))^2 s^2``
+for i.i.d. entries of scale ``s``, a ratio of 120 to 510 on the shapes of GPT-2 and a 1B Llama at their
+initialization.  The rigorous slack on the norm is then ``sqrt(1 + gamma'_c ratio) - 1``: ``2e-2`` to ``8e-2`` for
+one float32 product (``c = m``), ``2e-3`` to ``8e-3`` for ``c = 512``, ``5e-4`` to ``2e-3`` for ``c = 128``, against
+``5e-5`` for this bound; and on one CPU thread a float32 product per chunk took 0.86 to 1.27 times the float64
+Gram matrix's time at ``c = 512`` and 1.25 to 2.9 times at ``c = 128`` (the float64 accumulation of every chunk's
+``k x k`` product; computing only its upper blocks would save at most about a fifth: ``benchmarks/results/norms.md``).
+A float32 Cholesky factorization is worse still: its term ``gamma'_{k+1} tr(A)`` is at most about ``k^2 u' t``
+(``0.25 t`` for ``k = 2048``), ``0.02 t`` (``k = 768``) to ``0.19 t`` (``k = 2048``) on these matrices.  So the
+Gram matrix and the factorization stay in float64, and the speed comes from the threads above.
+
 Nothing is cached here: a weight can change without its version counter moving (FSDP2 gathers into
 reused storage), so every call computes; callers cache whole certificates where they can tell.
 """
@@ -90,6 +113,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+
+from . import _fast
+from ._fast import FAST_STEPS, UNIT_ROUNDOFF, _gamma, _up
 
 __all__ = [
     "EXACT_LIMIT",
@@ -115,8 +141,6 @@ __all__ = [
     "one_thread",
 ]
 
-#: float64 unit roundoff.
-UNIT_ROUNDOFF = 2.0**-53
 #: Largest smaller side for which the spectral norm is computed exactly (symmetric eigensolver).
 EXACT_LIMIT = 4096
 #: Number of squarings in the Gram-power bound used above :data:`EXACT_LIMIT`.
@@ -125,19 +149,6 @@ _SQUARINGS = 6
 PRECISIONS = ("fast", "tight")
 #: Largest smaller side for which ``"fast"`` takes the tight path (the eigensolver costs no more there).
 FAST_MIN = 256
-#: The relative raises ``tau`` of the Krylov estimate tried in turn by the fast bound (``t = theta (1 + tau)``).
-FAST_STEPS = (1e-4, 1e-3, 1e-2, 1e-1, 0.5)
-#: Krylov iteration of the fast bound: at most this many steps, stopped when the estimate moved by less than
-#: ``_KRYLOV_TOL`` (relative) over the last ``_KRYLOV_EVERY`` steps; when the first factorization fails (the
-#: estimate stalled on a second eigenvalue), run again with at least twice the steps and a 100x tighter tolerance
-#: before raising ``tau``.
-_KRYLOV_STEPS = 96
-_KRYLOV_TOL = 1e-5
-_KRYLOV_EVERY = 4
-#: Block size of the blocked Cholesky factorization on the CPU.
-_CHOL_BLOCK = 192
-#: Absolute error of one float64 operation that underflows (the smallest normal: covers flush-to-zero too).
-_ETA = 2.0**-1022
 
 _PRECISION: contextvars.ContextVar[str] = contextvars.ContextVar("certblocks_norm_precision", default="fast")
 
@@ -175,11 +186,6 @@ def norm_precision(precision: str) -> Iterator[None]:
         yield
     finally:
         _PRECISION.reset(token)
-
-
-def _gamma(n: int) -> float:
-    nu = n * UNIT_ROUNDOFF
-    return nu / (1.0 - nu)
 
 
 def margin(m: int, k: int) -> float:
@@ -358,206 +364,6 @@ def _tight_op_norms(a: torch.Tensor) -> List[float]:
     return [math.sqrt(float(e) * scale) for e in ev]
 
 
-# ---------------------------------------------------------------------------------------------- the fast bound
-def _up(x: float, ops: int = 1) -> float:
-    """``x >= 0`` raised past the rounding of ``ops`` float64 operations that produced it."""
-    return x * (1.0 + 2.0 * (ops + 1) * UNIT_ROUNDOFF)
-
-
-def _block_gram(a: torch.Tensor) -> torch.Tensor:
-    """``fl(A^T A)`` for a batch ``(B, m, k)``: only the upper block triangle multiplied (up to 8 column blocks),
-    each lower block the transpose of its upper one; every entry an inner product of length ``m`` (module
-    docstring, fast bound step 1)."""
-    k = a.shape[-1]
-    parts = min(8, max(1, round(k / 192)))
-    if parts == 1:
-        return a.mT @ a
-    width = -(-k // parts)
-    g = a.new_empty(a.shape[0], k, k)
-    for i0 in range(0, k, width):
-        i1 = min(i0 + width, k)
-        g[..., i0:i1, i0:] = a[..., i0:i1].mT @ a[..., i0:]
-        if i1 < k:
-            g[..., i1:, i0:i1] = g[..., i0:i1, i1:].mT
-    return g
-
-
-#: Rows read into float64 at a time for a Gram matrix (about 64 MB of float64 per chunk): a large matrix (an
-#: embedding table) is never copied whole into float64.
-GRAM_CHUNK_ELEMENTS = 1 << 23
-
-
-def _row_chunked_gram(a: torch.Tensor, as64: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``fl(A^T A)`` of a batch ``(B, m, k)`` read into float64 by ``as64`` in chunks of rows, the chunks' Gram
-    matrices (:func:`_block_gram`) summed.  Every entry is still an inner product of length ``m``, summed in another
-    order: the rounding bound of step 1 (``gamma_m |A|^T |A|``) holds for any order of summation."""
-    B, m, k = a.shape
-    rows = max(1, GRAM_CHUNK_ELEMENTS // max(B * k, 1))
-    if rows >= m:
-        return _block_gram(as64(a))
-    g = None
-    for r0 in range(0, m, rows):
-        part = _block_gram(as64(a[:, r0:r0 + rows]))
-        g = part if g is None else g.add_(part)
-    assert g is not None
-    return g
-
-
-def _cholesky_completes(shifted: torch.Tensor) -> List[bool]:
-    """Whether the float64 Cholesky factorization of each matrix of ``shifted`` (overwritten) runs to completion.
-
-    On the CPU a right-looking blocked factorization (diagonal blocks by LAPACK, the panel by a triangular solve,
-    the trailing lower block columns by matrix products: the same inner products in another order, so the same
-    error bound, module docstring step 3), about 1.5x faster than one LAPACK call on one thread; elsewhere one call.
-    """
-    n = shifted.shape[-1]
-    if shifted.device.type != "cpu" or n <= 2 * _CHOL_BLOCK:
-        return [i == 0 for i in torch.linalg.cholesky_ex(shifted)[1].cpu().tolist()]
-    ok = torch.ones(shifted.shape[0], dtype=torch.bool)
-    for j in range(0, n, _CHOL_BLOCK):
-        e = min(j + _CHOL_BLOCK, n)
-        l11, info = torch.linalg.cholesky_ex(shifted[..., j:e, j:e])
-        ok &= info.cpu() == 0
-        if e < n:
-            l21 = torch.linalg.solve_triangular(l11, shifted[..., e:, j:e].mT, upper=False).mT
-            for c0 in range(e, n, _CHOL_BLOCK):
-                c1 = min(c0 + _CHOL_BLOCK, n)
-                shifted[..., c0:, c0:c1] -= l21[..., c0 - e:, :] @ l21[..., c0 - e:c1 - e, :].mT
-    return ok.tolist()
-
-
-def _krylov_top(g: torch.Tensor, *, tol: float = _KRYLOV_TOL, min_steps: int = 0,
-                max_steps: int = _KRYLOV_STEPS) -> Tuple[List[float], int]:
-    """Estimates of ``lambda_max`` of each symmetric ``(k, k)`` matrix of the batch ``g``: Lanczos with full
-    reorthogonalization (classical Gram-Schmidt twice), in float32 (an estimate needs no more: the Cholesky
-    factorization decides), the largest eigenvalue of the tridiagonal matrix every :data:`_KRYLOV_EVERY` steps.
-
-    A fixed pseudo-random start (the same values every run).  An exhausted direction (an invariant subspace: an
-    orthogonal matrix, a low-rank one: what is left after the orthogonalization is rounding) continues from a fresh
-    pseudo-random direction with ``beta = 0``: the tridiagonal matrix splits there, each block a subspace's.
-    Stops after ``min_steps`` at the earliest.  Returns the estimates and the number of steps taken.
-    """
-    B, k = g.shape[0], g.shape[-1]
-    steps = min(max_steps, k)
-    # float32 after dividing by the largest diagonal entry (|g_ij| <= max g_ii for a Gram matrix): no underflow
-    top = g.diagonal(dim1=-2, dim2=-1).amax(-1).clamp_min(1e-300)
-    G = (g / top[:, None, None]).to(torch.float32)
-    gen = torch.Generator(device=g.device)
-    gen.manual_seed(0x5EED)
-    V = G.new_zeros(B, steps + 1, k)  # the basis, one vector per row
-    v = torch.randn(B, k, generator=gen, dtype=torch.float32, device=g.device)
-    V[:, 0] = v / torch.linalg.vector_norm(v, dim=-1, keepdim=True)
-    alphas: List[torch.Tensor] = []
-    betas: List[torch.Tensor] = []
-    prev: Optional[torch.Tensor] = None
-    theta = torch.zeros(B, dtype=torch.float64)
-    def orthogonalized(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
-        for _ in range(2):
-            x = x - torch.bmm(torch.bmm(x[:, None], basis.mT), basis)[:, 0]
-        return x
-
-    for j in range(steps):
-        w = torch.bmm(G, V[:, j, :, None])[..., 0]
-        alphas.append((w * V[:, j]).sum(-1))
-        basis = V[:, :j + 1]
-        size = torch.linalg.vector_norm(w, dim=-1)
-        w = orthogonalized(w, basis)
-        b = torch.linalg.vector_norm(w, dim=-1)
-        spent = b <= 1e-5 * size  # what is left is rounding: restart from a fresh direction, beta = 0
-        if j + 1 < steps and bool(spent.any()):
-            fresh = orthogonalized(torch.randn(B, k, generator=gen, dtype=torch.float32, device=g.device), basis)
-            w = torch.where(spent[:, None], fresh, w)
-            b = torch.where(spent, torch.zeros_like(b), b)
-        betas.append(b)
-        V[:, j + 1] = w / torch.linalg.vector_norm(w, dim=-1, keepdim=True).clamp_min(1e-30)
-        if (j + 1) % _KRYLOV_EVERY == 0 or j + 1 == steps:
-            t = torch.diag_embed(torch.stack(alphas, -1).to(device="cpu", dtype=torch.float64))
-            if j:
-                off = torch.diag_embed(torch.stack(betas[:-1], -1).to(device="cpu", dtype=torch.float64), 1)
-                t = t + off + off.mT
-            theta = torch.linalg.eigvalsh(t)[..., -1]
-            if j + 1 >= min_steps and prev is not None and bool(((theta - prev).abs() <= tol * theta.abs()).all()):
-                break
-            prev = theta
-    return [max(float(x), 0.0) * float(f) for x, f in zip(theta, top.cpu())], j + 1
-
-
-def _fast_bounds(a: torch.Tensor) -> List[float]:
-    """The fast bounds of ``||A_i||_2`` for a real floating batch ``(B, m, k)`` with ``k <= m`` (module docstring,
-    "The fast bound", steps 1 to 4); ``inf`` for a matrix with a NaN or an infinity."""
-    B, m, k = a.shape
-    u = UNIT_ROUNDOFF
-    out: List[Optional[float]] = [None] * B
-    exps = [0] * B
-    if a.dtype == torch.float64:  # only a float64 matrix can overflow or underflow its float64 Gram matrix
-        for i, x in enumerate(a.abs().amax(dim=(-2, -1)).cpu().tolist()):
-            if not math.isfinite(x):
-                out[i] = math.inf
-            elif x != 0.0 and abs(math.frexp(x)[1]) > 300:
-                exps[i] = math.frexp(x)[1]
-    todo = [i for i in range(B) if out[i] is None]
-    if not todo:
-        return [float(x) for x in out]  # type: ignore[arg-type]
-    src = a if len(todo) == B else a[todo]
-    scale = torch.tensor([2.0 ** -exps[i] for i in todo], dtype=torch.float64, device=a.device).reshape(-1, 1, 1) \
-        if any(exps[i] for i in todo) else None
-
-    def as64(rows: torch.Tensor) -> torch.Tensor:  # exact (a power of two), rows of every matrix of the batch
-        r64 = rows.to(torch.float64)
-        return r64 if scale is None else r64 * scale
-
-    g = _row_chunked_gram(src, as64)
-    # a NaN or an infinity reaches the diagonal (a sum of squares); >= the exact sum of the computed diagonal
-    fro2 = (g.diagonal(dim1=-2, dim2=-1).sum(-1) * (1.0 + _gamma(k) + u)).cpu().tolist()
-    live = []
-    for j, f in enumerate(fro2):
-        if not math.isfinite(f):
-            out[todo[j]] = math.inf
-        elif f == 0.0:
-            out[todo[j]] = 0.0
-        else:
-            live.append(j)
-    if not live:
-        return [float(x) for x in out]  # type: ignore[arg-type]
-    if len(live) < len(todo):
-        todo, src, g, fro2 = [todo[j] for j in live], src[live], g[live], [fro2[j] for j in live]
-        scale = None if scale is None else scale[live]
-    d_gram = [_up(_gamma(m) * f / (1.0 - _gamma(m)) + 2.0 * k * m * _ETA, 4) for f in fro2]
-    theta, used = _krylov_top(g)
-    pending = list(range(len(todo)))
-    c_k = _gamma(k + 1) / (1.0 - _gamma(k + 1))
-    schedule = [(FAST_STEPS[0], False), (FAST_STEPS[0], True)] + [(tau, False) for tau in FAST_STEPS[1:]]
-    for tau, refine in schedule:
-        if not pending:
-            break
-        gp = g if len(pending) == len(todo) else g[pending]
-        if refine:  # the estimate stalled: a longer, tighter Krylov run on what is left
-            again = _krylov_top(gp, tol=_KRYLOV_TOL / 100, min_steps=min(k, 2 * used + 16),
-                                max_steps=4 * _KRYLOV_STEPS)[0]
-            for idx, j in enumerate(pending):
-                theta[j] = max(theta[j], again[idx])
-        ts = [theta[j] * (1.0 + tau) + 1e-300 for j in pending]  # > 0: a zero estimate still shifts
-        shifted = gp.neg()
-        shifted.diagonal(dim1=-2, dim2=-1).add_(torch.tensor(ts, dtype=g.dtype, device=g.device).reshape(-1, 1))
-        sd = shifted.diagonal(dim1=-2, dim2=-1).abs()
-        trace = (sd.sum(-1) * (1.0 + _gamma(k) + u)).cpu().tolist()
-        top = sd.amax(-1).cpu().tolist()
-        completes = _cholesky_completes(shifted)
-        still = []
-        for idx, j in enumerate(pending):
-            if not completes[idx]:
-                still.append(j)
-                continue
-            d_eta = 16.0 * k * (k + 2.0 + max(1.0, top[idx])) * _ETA
-            lam = _up(ts[idx] + u * top[idx] + c_k * trace[idx] + d_eta + d_gram[j], 8)
-            out[todo[j]] = _unscale(lam, m, k, exps[todo[j]])
-        pending = still
-    for j in pending:  # no step factored: the tight path on the same Gram matrix (its float64 matrix read again)
-        a64 = src[j].to(torch.float64) * (1.0 if scale is None else float(scale[j]))
-        out[todo[j]] = _unscale(_tight_sq(a64, g[j]), m, k, exps[todo[j]])
-    return [float(x) for x in out]  # type: ignore[arg-type]
-
-
 def _tight_sq(a64: torch.Tensor, g: torch.Tensor) -> float:
     """The tight bound of ``||A||_2^2`` from ``A`` (``m x k``) and its float64 Gram matrix ``g`` (fallback)."""
     m, k = a64.shape
@@ -565,14 +371,6 @@ def _tight_sq(a64: torch.Tensor, g: torch.Tensor) -> float:
         return _up(_gram_power_bound(a64, g) ** 2, 1)
     lam = max(float(torch.linalg.eigvalsh(g)[-1]), 0.0)
     return _up(lam / (1.0 - margin(m, k)), 1)
-
-
-def _unscale(lam: float, m: int, k: int, e: int) -> float:
-    """``2^e (sqrt(lam) + sqrt(m k) eta)`` rounded up: the bound of the unscaled matrix (fast bound step 4)."""
-    root = _up(math.sqrt(lam), 1)
-    if e:
-        root = _up(root + math.sqrt(m * k) * _ETA, 1)
-    return math.ldexp(root, e)
 
 
 def _matrices(w: torch.Tensor) -> torch.Tensor:
@@ -588,8 +386,9 @@ def _fast_op_norms(a: torch.Tensor) -> Optional[List[float]]:
         return None
     if a.shape[-2] < a.shape[-1]:
         a = a.mT
-    with one_thread():
-        return _fast_bounds(a)
+    workers = torch.get_num_threads() if a.device.type == "cpu" else 1  # inside concurrent_calls: one
+    with one_thread(), _fast._split_work(workers):
+        return _fast._fast_bounds(a, _tight_sq)
 
 
 def op_norm(w: torch.Tensor, *, precision: Optional[str] = None) -> float:

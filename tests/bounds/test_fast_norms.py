@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from certblocks import bounds
-from certblocks.bounds import norms
+from certblocks.bounds import _fast, norms
 
 FACTOR = 1.0 + 6e-5  # sqrt(1 + 1e-4) plus the rounding margins
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -152,15 +152,15 @@ def test_a_shift_below_the_top_eigenvalue_is_refused(monkeypatch):
     exact = _exact(w)
     lam = exact**2
     calls = []
-    real = norms._cholesky_completes
+    real = _fast._cholesky_completes
 
     def spy(shifted):
         out = real(shifted)
         calls.append(out)
         return out
 
-    monkeypatch.setattr(norms, "_krylov_top", lambda g, **kw: ([lam * (1 - 3e-4)], 20))
-    monkeypatch.setattr(norms, "_cholesky_completes", spy)
+    monkeypatch.setattr(_fast, "_krylov_top", lambda g, **kw: ([lam * (1 - 3e-4)], 20))
+    monkeypatch.setattr(_fast, "_cholesky_completes", spy)
     got = bounds.op_norm(w)
     assert calls == [[False], [False], [True]]  # 1e-4, 1e-4 after the longer run, 1e-3
     assert exact <= got <= exact * math.sqrt((1 - 3e-4) * (1 + 1e-3)) * (1 + 1e-7)
@@ -184,7 +184,7 @@ def test_a_start_nearly_orthogonal_to_the_top_vector_is_caught():
     w = _orthogonal(m, gen)[:, :k] @ torch.diag(s) @ v.mT
     exact = _exact(w)
     runs = []
-    real = norms._krylov_top
+    real = _fast._krylov_top
 
     def spy(g, **kw):
         out = real(g, **kw)
@@ -192,7 +192,7 @@ def test_a_start_nearly_orthogonal_to_the_top_vector_is_caught():
         return out
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(norms, "_krylov_top", spy)
+        mp.setattr(_fast, "_krylov_top", spy)
         got = bounds.op_norm(w)
     assert exact <= got <= exact * math.sqrt(1 + norms.FAST_STEPS[1]) * (1 + 1e-7)
     assert len(runs) == 2 and runs[0] < 0.999 * exact**2  # the first estimate stalled
@@ -204,9 +204,9 @@ def test_no_step_factors_then_the_tight_path(monkeypatch, how):
     w = torch.randn(450, 330, generator=gen, dtype=torch.float32)
     exact = _exact(w)
     if how == "estimate far too low":
-        monkeypatch.setattr(norms, "_krylov_top", lambda g, **kw: ([1e-3 * float(g[0].diagonal().max())], 20))
+        monkeypatch.setattr(_fast, "_krylov_top", lambda g, **kw: ([1e-3 * float(g[0].diagonal().max())], 20))
     else:
-        monkeypatch.setattr(norms, "_cholesky_completes", lambda shifted: [False] * shifted.shape[0])
+        monkeypatch.setattr(_fast, "_cholesky_completes", lambda shifted: [False] * shifted.shape[0])
     got = bounds.op_norm(w)
     assert exact <= got <= exact * (1 + 2 * bounds.margin(450, 330) + 1e-13)  # the eigensolver's margin
     monkeypatch.setattr(norms, "EXACT_LIMIT", 100)  # and above the limit, the Gram-power bound
@@ -218,19 +218,19 @@ def test_one_lapack_call_and_the_blocked_factorization_agree(monkeypatch):
     gen = torch.Generator().manual_seed(8)
     w = torch.randn(900, 800, generator=gen, dtype=torch.float64)
     blocked = bounds.op_norm(w)
-    monkeypatch.setattr(norms, "_CHOL_BLOCK", 4096)
+    monkeypatch.setattr(_fast, "_CHOL_BLOCK", 4096)
     assert bounds.op_norm(w) == blocked and _exact(w) <= blocked <= _exact(w) * FACTOR
-    g = norms._block_gram(w[None])
+    g = _fast._block_gram(w[None])
     shifted = -g
     shifted.diagonal(dim1=-2, dim2=-1).add_(0.999 * float(torch.linalg.eigvalsh(g)[0, -1]))
-    monkeypatch.setattr(norms, "_CHOL_BLOCK", 128)
-    assert norms._cholesky_completes(shifted.clone()) == [False]  # t below lambda_max: no factorization
+    monkeypatch.setattr(_fast, "_CHOL_BLOCK", 128)
+    assert _fast._cholesky_completes(shifted.clone()) == [False]  # t below lambda_max: no factorization
 
 
 def test_block_gram_is_the_gram_matrix():
     gen = torch.Generator().manual_seed(9)
     a = torch.randn(2, 700, 613, generator=gen, dtype=torch.float64)
-    g = norms._block_gram(a)
+    g = _fast._block_gram(a)
     ref = a.mT @ a
     assert torch.allclose(g, ref, rtol=0, atol=1e-10 * float(ref.abs().max()))
     assert torch.equal(torch.tril(g, -1), torch.triu(g, 1).mT)  # the lower blocks copy the upper ones
@@ -247,18 +247,19 @@ def test_a_gram_read_in_row_chunks_keeps_every_bound(monkeypatch, dtype):
     w = torch.cat([w, torch.zeros(1, 520, 300, dtype=torch.float64)]).to(dtype)
     whole = bounds.op_norms(w)
     seen = []
-    block = norms._block_gram
-    monkeypatch.setattr(norms, "_block_gram", lambda a: seen.append(a.shape[1]) or block(a))
-    monkeypatch.setattr(norms, "GRAM_CHUNK_ELEMENTS", 4 * 300 * 64)  # 64 rows of the batch of 4 at a time
+    upper = _fast._gram_upper_into
+    monkeypatch.setattr(_fast, "_gram_upper_into", lambda a, g, accumulate: seen.append(a.shape[1]) or upper(a, g,
+                                                                                                             accumulate))
+    monkeypatch.setattr(_fast, "GRAM_CHUNK_ELEMENTS", 4 * 300 * 64)  # 64 rows of the batch of 4 at a time
     chunked = bounds.op_norms(w)
     assert max(seen) == 64 and len(seen) >= 520 // 64
     for g_whole, g_chunked, m in zip(whole, chunked, w):
         e = _exact(m)
         assert e <= g_chunked <= e * FACTOR and g_chunked == pytest.approx(g_whole, rel=1e-12, abs=0.0)
     a = w[:1].double()
-    g = norms._row_chunked_gram(a, lambda rows: rows.to(torch.float64))
+    g = _fast._row_chunked_gram(a)
     assert torch.allclose(g, a.mT @ a, rtol=0, atol=1e-12 * float((a.mT @ a).abs().max()))
-    monkeypatch.setattr(norms, "_cholesky_completes", lambda shifted: [False] * shifted.shape[0])
+    monkeypatch.setattr(_fast, "_cholesky_completes", lambda shifted: [False] * shifted.shape[0])
     for got, m in zip(bounds.op_norms(w), w):  # the tight fallback reads its matrix again
         e = _exact(m)
         assert e <= got <= e * (1 + 2 * bounds.margin(520, 300) + 1e-13)
@@ -324,3 +325,55 @@ def test_fast_bound_on_cuda(dtype):
         exact = _exact(w)
         got = bounds.op_norm(w.cuda())
         assert exact <= got <= exact * FACTOR
+
+
+def _with_threads(n: int, f):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return f()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_work_split_between_threads_gives_the_same_bounds(monkeypatch):
+    """With two CPU threads the Gram blocks, the row chunks' conversion, the Cholesky panel and its trailing updates
+    are split between two workers: the same bounds, bit for bit, as one thread (row chunks, a scaled float64 matrix
+    and the blocked factorization included), in inference mode too, and the split really ran on two workers."""
+    gen = torch.Generator().manual_seed(15)
+    w = torch.stack([_family(f, (1100, 900), gen) for f in ("gaussian", "tied_top", "all_ones")])
+    w[1] *= 1e-200
+    cases = [w, w[0].float(), w[2].to(torch.bfloat16).mT]
+    split = []
+    real_run = _fast._run
+
+    def spy(tasks):
+        split.append((_fast._POOL.get() is not None, len(tasks)))
+        return real_run(tasks)
+
+    monkeypatch.setattr(_fast, "_run", spy)
+    monkeypatch.setattr(_fast, "GRAM_CHUNK_ELEMENTS", 3 * 900 * 256)  # 256 rows of the batch of 3 at a time
+    one = _with_threads(1, lambda: [bounds.op_norms(c) for c in cases])
+    assert not any(pooled for pooled, _ in split)
+    split.clear()
+    two = _with_threads(2, lambda: [bounds.op_norms(c) for c in cases])
+    assert any(pooled and n > 1 for pooled, n in split)
+    assert one == two
+    with torch.inference_mode():
+        assert _with_threads(2, lambda: bounds.op_norms(cases[0])) == one[0]
+    for got, c in zip(two, cases):
+        for g, m in zip(got, c.reshape(-1, *c.shape[-2:])):
+            e = _exact(m)
+            assert e <= g <= e * FACTOR
+
+
+def test_no_split_inside_concurrent_calls(monkeypatch):
+    # concurrent_calls already runs tasks side by side, one thread each: a norm inside one splits nothing
+    pools = []
+    real_run = _fast._run
+    monkeypatch.setattr(_fast, "_run", lambda tasks: pools.append(_fast._POOL.get()) or real_run(tasks))
+    gen = torch.Generator().manual_seed(16)
+    ws = [torch.randn(700, 600, generator=gen) for _ in range(2)]
+    got = _with_threads(2, lambda: bounds.concurrent_calls([lambda w=w: bounds.op_norm(w) for w in ws]))
+    assert pools and all(p is None for p in pools)
+    assert got == [_with_threads(1, lambda w=w: bounds.op_norm(w)) for w in ws]
