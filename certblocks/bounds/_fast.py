@@ -131,8 +131,12 @@ def _gram_upper_into(a: torch.Tensor, g: torch.Tensor, accumulate: bool) -> None
     def block_row(i0: int, i1: int) -> None:
         g[..., i0:i1, i0:].baddbmm_(a[..., i0:i1].mT, a[..., i0:], beta=1.0 if accumulate else 0.0)
 
+    def pair_rows(pair: List[Tuple[int, int]]) -> None:
+        for r in pair:
+            block_row(*r)
+
     pairs = [[rows[i], rows[-1 - i]] if 2 * i + 1 < len(rows) else [rows[i]] for i in range((len(rows) + 1) // 2)]
-    _run([functools.partial(lambda pair: [block_row(*r) for r in pair], pair) for pair in pairs])
+    _run([functools.partial(pair_rows, pair) for pair in pairs])
 
 
 def _gram_mirror(g: torch.Tensor) -> None:
