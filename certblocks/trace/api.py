@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from .._validation import check_finite
+from ..bounds import concurrent_calls
 from ..certificate import BlockCertificate
 from ..precision import as_precision
 from .capture import CapturedGraph, capture, held_dtype
@@ -153,8 +155,8 @@ def _certify_chain(g: CapturedGraph, chain: Chain, model_name: str,
     segments' certificates already computed, in chain order (a checkpoint's ranks, :mod:`certblocks.checkpoint`)."""
     body: List[TraceCertificate] = []
     stem = head = None
-    for k, seg in enumerate(chain.segments):
-        tc = certified[k] if certified is not None else certify_segment(g, seg, k)
+    done = list(certified) if certified is not None else _certify_segments(g, chain.segments)
+    for seg, tc in zip(chain.segments, done):
         if seg.kind == "stem":
             stem = tc
         elif seg.kind == "head":
@@ -167,6 +169,19 @@ def _certify_chain(g: CapturedGraph, chain: Chain, model_name: str,
     return ModelCertificate(updates, model_name, g.strict, segments=body, stem=stem, head=head, precision=_policy(g),
                             integer_input=chain.integer_input, notes=list(chain.notes) + _velocity_notes(every),
                             chained=True, outputs=certify_outputs(g, chain), graph=g)
+
+
+def _certify_segments(g: CapturedGraph, segments: Sequence[Segment]) -> List[TraceCertificate]:
+    """:func:`certify_segment` of every segment, in order, computed side by side on the CPU threads torch may use
+    (:func:`certblocks.bounds.concurrent_calls`: each task on one thread, so each certificate is what it is alone).
+    The head (a tied embedding table's norm, usually the largest matrix) is started first so that it does not run
+    alone at the end."""
+    order = sorted(range(len(segments)), key=lambda k: segments[k].kind != "head")
+    out = concurrent_calls([partial(certify_segment, g, segments[k], k) for k in order])
+    done: List[Optional[TraceCertificate]] = [None] * len(segments)
+    for k, tc in zip(order, out):
+        done[k] = tc
+    return [tc for tc in done if tc is not None]
 
 
 def _policy(g: CapturedGraph) -> str:

@@ -284,3 +284,36 @@ def test_in_place_ops_are_functionalized():
     c = certify(InPlace(), torch.randn(2, 3, D))
     assert isinstance(c, ModelCertificate) and len(c) == 1
     assert c[0].exponents == Exponents(1, 0)
+
+
+@pytest.mark.parametrize("zoo_name", ["gpt2_qknorm_test", "gpt2_dyt_test"])
+def test_segments_certified_side_by_side_equal_one_after_another(zoo_name, monkeypatch):
+    """With two threads the chain's segments are certified concurrently (the head first): the same certificate,
+    every coefficient bit for bit, as one segment after another."""
+    from certblocks.zoo import create_model
+
+    from certblocks.trace import api
+
+    torch.manual_seed(0)
+    model = create_model(zoo_name).eval()
+    ids = torch.randint(0, model.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        started = []
+        original = api.certify_segment
+
+        def recording(g, seg, k):
+            started.append(seg.kind)
+            return original(g, seg, k)
+
+        monkeypatch.setattr(api, "certify_segment", recording)
+        side_by_side = certify(model, ids)
+        assert started[0] == "head" and len(started) == len(side_by_side.segments) + 2  # stem and head too
+        monkeypatch.setattr(api, "_certify_segments",
+                            lambda g, segs: [original(g, s, k) for k, s in enumerate(segs)])
+        in_order = certify(model, ids)
+    finally:
+        torch.set_num_threads(threads)
+    assert side_by_side.to_dict() == in_order.to_dict()
+    assert [s.name for s in side_by_side.segments] == [s.name for s in in_order.segments]
