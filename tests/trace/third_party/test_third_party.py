@@ -83,3 +83,28 @@ def test_coverage_summary(capsys):
     table = read_table(DOC.read_text())
     assert {n for n, v in table.items() if v == "yes"} == set(covered)
     assert all(not o.search_failures for o in outcomes.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "mixtral", "rwkv", "convnext_atto", "efficientnet_b0", "t5_encoder"])
+def test_segments_side_by_side_give_the_one_thread_certificate(name, monkeypatch):
+    """With two CPU threads certify() certifies the chain's segments concurrently: the certificate equals, every
+    field, the one computed one segment after another (HF decoders, a mixture of experts, RWKV, convolutions, T5)."""
+    import torch
+
+    from certblocks.trace import api, certify
+
+    from .registry import build
+
+    pytest.importorskip(MODELS[name].library)
+    model, x = build(name)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        side_by_side = certify(model, x).to_dict()
+        original = api.certify_segment
+        monkeypatch.setattr(api, "_certify_segments", lambda g, segs: [original(g, s, k) for k, s in enumerate(segs)])
+        in_order = certify(model, x).to_dict()
+    finally:
+        torch.set_num_threads(threads)
+    assert side_by_side == in_order
