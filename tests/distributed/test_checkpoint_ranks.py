@@ -11,7 +11,6 @@ import sys
 from typing import Any, Dict, List
 
 import pytest
-import torch
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -21,6 +20,7 @@ if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 W = importlib.import_module("_cb_ckpt_workers")
 import torch.distributed as dist  # noqa: E402
+from _cb_fsdp_workers import hf_model  # noqa: E402
 from _cb_launch import spawn_ranks  # noqa: E402
 
 pytestmark = [
@@ -42,14 +42,7 @@ def _layer(name: str) -> str:
 
 @pytest.mark.parametrize("kind, layers", [("llama", 4), ("gpt2", 3)])
 def test_two_ranks_return_the_one_process_certificate(tmp_path, kind, layers):
-    torch.manual_seed(0)
-    if kind == "llama":
-        cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-    else:
-        cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=layers, n_head=4, n_positions=32,
-                                      bos_token_id=0, eos_token_id=0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model = hf_model(kind, layers)  # the FSDP tests' tiny seeded models
     directory = str(tmp_path / "ckpt")
     model.save_pretrained(directory, max_shard_size="20KB")
     single = W.certify_ranks(directory)  # one process (no process group in the test process)
