@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from certified_defaults import digits_data, gpt_batch, gpt_eval, lr_at, param_groups, spread, vit_batches  # noqa: E402
+from certified_defaults import digits_data, gpt_batch, gpt_eval, lr_at, spread, vit_batches  # noqa: E402
 from monitor_gpt import stdlib_bytes  # noqa: E402
 
 _BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -101,19 +101,14 @@ def _cert(model: nn.Module) -> Dict[str, Any]:
 
 def optimizer_groups(model: nn.Module, weight_decay: float, gain_lr_scale: float,
                      exclude: Sequence[str] = ()) -> List[Dict[str, Any]]:
-    """``certified_defaults.param_groups`` (``weight_decay`` on the matrices but ``exclude``), with the branch gains
-    (every :class:`~certblocks.blocks.LayerScale`'s ``gamma``) in a third group, without weight decay, whose learning
-    rate is ``gain_lr_scale`` times the schedule's (the group's ``lr_scale``)."""
-    from certblocks.blocks import LayerScale
+    """:func:`certblocks.blocks.gain_param_groups` (``weight_decay`` on the matrices but ``exclude``, the branch gains
+    in a group of their own without weight decay) with each group's learning rate as ``lr_scale``, the multiple of
+    the schedule's rate this script sets at every step (``gain_lr_scale`` for the gains, 1 for the rest)."""
+    from certblocks.blocks import gain_param_groups
 
-    gains = {id(m.gamma) for m in model.modules() if isinstance(m, LayerScale)}
-    groups = param_groups(model, weight_decay, exclude)
+    groups = gain_param_groups(model, 1.0, weight_decay=weight_decay, gain_lr_scale=gain_lr_scale, no_decay=exclude)
     for g in groups:
-        g["params"] = [p for p in g["params"] if id(p) not in gains]
-        g["lr_scale"] = 1.0
-    gain_params = [p for p in model.parameters() if id(p) in gains and p.requires_grad]
-    if gain_params:
-        groups.append({"params": gain_params, "weight_decay": 0.0, "lr_scale": gain_lr_scale})
+        g["lr_scale"] = g.pop("lr")
     return groups
 
 

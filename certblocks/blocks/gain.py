@@ -24,7 +24,7 @@ the gains leave it as they grow unless ``certblocks.enforce`` caps them.
 
 from __future__ import annotations
 
-from typing import Any, List, Mapping, Optional, Tuple
+from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -169,8 +169,8 @@ def gained_velocities(block: nn.Module, prefix: str, pairs: tuple = (("attn", "l
     return out
 
 
-def gain_param_groups(model: nn.Module, lr: float, *, weight_decay: float = 0.0, gain_lr_scale: float = 30.0
-                      ) -> List[dict]:
+def gain_param_groups(model: nn.Module, lr: float, *, weight_decay: float = 0.0, gain_lr_scale: float = 30.0,
+                      no_decay: Sequence[str] = ()) -> List[dict]:
     """Optimizer parameter groups with every :class:`LayerScale` gain in a group of its own.
 
     Args:
@@ -179,6 +179,7 @@ def gain_param_groups(model: nn.Module, lr: float, *, weight_decay: float = 0.0,
         weight_decay: on the matrices (parameters with 2 or more dimensions) other than the gains; none on the
             vectors (biases, normalizer scales) and none on the gains.
         gain_lr_scale: the gains' learning rate as a multiple of ``lr`` (finite, > 0).
+        no_decay: names of matrices kept out of weight decay (a ViT's ``"pos_embed"``, ``"cls_token"``).
 
     Returns:
         Up to three groups ``{"params", "lr", "weight_decay"}``: the matrices, the other parameters, the gains (at
@@ -195,7 +196,7 @@ def gain_param_groups(model: nn.Module, lr: float, *, weight_decay: float = 0.0,
     groups: List[dict] = [{"params": [], "lr": lr, "weight_decay": weight_decay},
                           {"params": [], "lr": lr, "weight_decay": 0.0},
                           {"params": [], "lr": lr * gain_lr_scale, "weight_decay": 0.0}]
-    for p in model.parameters():  # each shared (tied) parameter once
+    for name, p in model.named_parameters():  # each shared (tied) parameter once
         if p.requires_grad:
-            groups[2 if id(p) in gains else 0 if p.ndim >= 2 else 1]["params"].append(p)
+            groups[2 if id(p) in gains else 0 if p.ndim >= 2 and name not in no_decay else 1]["params"].append(p)
     return [g for g in groups if g["params"]]

@@ -177,11 +177,8 @@ def _certify_segments(g: CapturedGraph, segments: Sequence[Segment]) -> List[Tra
     The head (a tied embedding table's norm, usually the largest matrix) is started first so that it does not run
     alone at the end."""
     order = sorted(range(len(segments)), key=lambda k: segments[k].kind != "head")
-    out = concurrent_calls([partial(certify_segment, g, segments[k], k) for k in order])
-    done: List[Optional[TraceCertificate]] = [None] * len(segments)
-    for k, tc in zip(order, out):
-        done[k] = tc
-    return [tc for tc in done if tc is not None]
+    out = dict(zip(order, concurrent_calls([partial(certify_segment, g, segments[k], k) for k in order])))
+    return [out[k] for k in range(len(segments))]
 
 
 def _policy(g: CapturedGraph) -> str:

@@ -73,6 +73,9 @@ def test_gain_param_groups_put_every_gain_in_its_own_group_at_the_scaled_rate():
     opt = torch.optim.AdamW(groups, lr=1e-3)  # the groups' own rates and a scheduler scales each
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([5e-4, 5e-4, 1.5e-2]) and sched is not None
+    vit_like = gain_param_groups(model, 1e-3, weight_decay=0.1, no_decay=("transformer.wpe.weight",))
+    assert all(p is not model.transformer.wpe.weight for p in vit_like[0]["params"])  # a named matrix without decay
+    assert any(p is model.transformer.wpe.weight for p in vit_like[1]["params"])
     plain = torch.nn.Linear(3, 3)  # no gains: no gain group
     assert len(gain_param_groups(plain, 1e-3)) == 2
     for kw in ({"gain_lr_scale": 0.0}, {"weight_decay": -1.0}, {"gain_lr_scale": float("nan")}):
