@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==2.14.1 torchvision==0.29.1
-	$(PIP) install --quiet -e ".[all,dev]"
+	$(PIP) install --quiet -e ".[all,bench,dev]"
 	$(PIP) install --quiet packaging wheel ninja setuptools
 	MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE $(PIP) install --quiet --no-build-isolation --no-deps "mamba-ssm>=2.2"
 	touch $(STAMP)
