@@ -140,13 +140,17 @@ def _gram_upper_into(a: torch.Tensor, g: torch.Tensor, accumulate: bool) -> None
 
 
 def _gram_mirror(g: torch.Tensor) -> None:
-    """Copy ``g``'s upper block triangle to its lower one (each lower block the transpose of its upper one)."""
+    """Copy ``g``'s upper triangle to its lower one (each lower block the transpose of its upper one, and inside each
+    diagonal block the same): ``g`` exactly symmetric.  A product ``X^T X`` alone is not on every CPU (the BLAS
+    kernels' order of summation can differ between the two triangles of a diagonal block)."""
     rows = _block_rows(g.shape[-1])
     k = g.shape[-1]
 
     def mirror(i0: int, i1: int) -> None:
         if i1 < k:
             g[..., i1:, i0:i1] = g[..., i0:i1, i1:].mT
+        d = g[..., i0:i1, i0:i1]
+        d.copy_(d.triu() + d.triu(1).mT)  # exact: each entry plus a zero
 
     _run([functools.partial(mirror, *r) for r in rows])
 
@@ -156,7 +160,9 @@ def _block_gram(a: torch.Tensor) -> torch.Tensor:
     blocks, split between the threads of :func:`_split_work`), each lower block the transpose of its upper one; every
     entry an inner product of length ``m`` (module docstring, fast bound step 1)."""
     if len(_block_rows(a.shape[-1])) == 1:
-        return a.mT @ a
+        g = a.mT @ a
+        _gram_mirror(g)
+        return g
     g = a.new_empty(a.shape[0], a.shape[-1], a.shape[-1])
     _gram_upper_into(a, g, accumulate=False)
     _gram_mirror(g)
