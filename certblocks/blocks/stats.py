@@ -58,14 +58,13 @@ def query_key_kappa(wq: Tensor, wk: Tensor, *, warm: Optional[Dict[str, Tensor]]
 def max_logit(q: Tensor, k: Tensor, scale: float, causal: bool) -> float:
     """Largest ``|s q_i . k_j|`` of ``q``, ``k`` ``(B, H, T, d_k)`` over the causal pairs (all pairs when not
     ``causal``), in float64; NaN counts as ``inf``."""
-    logits = (q.double() @ k.double().transpose(-2, -1)).abs() * scale
-    if causal:
-        T, S = logits.shape[-2:]
-        keep = torch.ones(T, S, dtype=torch.bool, device=logits.device).tril(S - T)
-        logits = logits.masked_fill(~keep, 0.0)
+    logits = q.double() @ k.double().transpose(-2, -1)
     if logits.numel() == 0:
         return 0.0
-    v = float(logits.max())
+    if causal:  # the pairs a query does not see count as 0 (in place: no mask, no second tensor)
+        logits.tril_(logits.shape[-1] - logits.shape[-2])
+    lo, hi = torch.aminmax(logits)  # max |x| = max(-min, max); times scale > 0 after (a monotone rounding)
+    v = float(torch.maximum(-lo, hi) * scale)
     return math.inf if math.isnan(v) else v
 
 
