@@ -274,25 +274,26 @@ def _krylov_top(g: torch.Tensor, *, tol: float = _KRYLOV_TOL, min_steps: int = 0
     betas: List[torch.Tensor] = []
     prev: Optional[torch.Tensor] = None
     theta = torch.zeros(B, dtype=torch.float64)
-    def orthogonalized(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
-        for _ in range(2):
-            x = x - torch.bmm(torch.bmm(x[:, None], basis.mT), basis)[:, 0]
-        return x
+    def orthogonalized(x: torch.Tensor, basis: torch.Tensor, c: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x`` ``(B, k, 1)`` less its components along ``basis``' rows, twice (``c``: the first coefficients)."""
+        x = torch.baddbmm(x, basis.mT, torch.bmm(basis, x) if c is None else c, alpha=-1.0)
+        return torch.baddbmm(x, basis.mT, torch.bmm(basis, x), alpha=-1.0)
 
-    for j in range(steps):
-        w = torch.bmm(G, V[:, j, :, None])[..., 0]
-        alphas.append((w * V[:, j]).sum(-1))
+    for j in range(steps):  # a few fused batched products a step: the loop's cost is per-call overhead
         basis = V[:, :j + 1]
-        size = torch.linalg.vector_norm(w, dim=-1)
-        w = orthogonalized(w, basis)
-        b = torch.linalg.vector_norm(w, dim=-1)
+        w = torch.bmm(G, V[:, j, :, None])  # (B, k, 1)
+        c = torch.bmm(basis, w)  # (B, j + 1, 1): the coefficients along the basis, alpha_j the last
+        alphas.append(c[:, j, 0])
+        size = torch.linalg.vector_norm(w, dim=(-2, -1))
+        w = orthogonalized(w, basis, c)
+        b = torch.linalg.vector_norm(w, dim=(-2, -1))
         spent = b <= 1e-5 * size  # what is left is rounding: restart from a fresh direction, beta = 0
         if j + 1 < steps and bool(spent.any()):
-            fresh = orthogonalized(torch.randn(B, k, generator=gen, dtype=torch.float32, device=g.device), basis)
-            w = torch.where(spent[:, None], fresh, w)
+            fresh = orthogonalized(torch.randn(B, k, 1, generator=gen, dtype=torch.float32, device=g.device), basis)
+            w = torch.where(spent[:, None, None], fresh, w)
             b = torch.where(spent, torch.zeros_like(b), b)
         betas.append(b)
-        V[:, j + 1] = w / torch.linalg.vector_norm(w, dim=-1, keepdim=True).clamp_min(1e-30)
+        V[:, j + 1] = (w / torch.linalg.vector_norm(w, dim=(-2, -1), keepdim=True).clamp_min(1e-30))[..., 0]
         if (j + 1) % _KRYLOV_EVERY == 0 or j + 1 == steps:
             t = torch.diag_embed(torch.stack(alphas, -1).to(device="cpu", dtype=torch.float64))
             if j:
