@@ -30,10 +30,6 @@ FAST_STEPS = (1e-4, 1e-3, 1e-2, 1e-1, 0.5)
 _KRYLOV_STEPS = 96
 _KRYLOV_TOL = 1e-5
 _KRYLOV_EVERY = 4
-#: Gram matrices of at most this size get their estimate from a dense float64 eigensolver instead of the Krylov
-#: iteration: at ``k = 64`` one ``eigvalsh`` call costs a tenth of a millisecond, the Krylov loop's ~20 steps about two
-#: (each step a handful of tiny batched products: per-call overhead, not arithmetic).
-_DENSE_ESTIMATE_MAX = 128
 #: Block size of the blocked Cholesky factorization on the CPU.
 _CHOL_BLOCK = 192
 #: Rows of the Cholesky panel solved in one triangular solve (the pieces split between threads).
@@ -344,14 +340,10 @@ def _fast_bounds(a: torch.Tensor, tight_sq: Callable[[torch.Tensor, torch.Tensor
         todo, src, g, fro2 = [todo[j] for j in live], src[live], g[live], [fro2[j] for j in live]
         scale = None if scale is None else scale[live]
     d_gram = [_up(_gamma(m) * f / (1.0 - _gamma(m)) + 2.0 * k * m * _ETA, 4) for f in fro2]
-    if k <= _DENSE_ESTIMATE_MAX:  # step 2 by a dense eigensolver: an estimate all the same (step 3 decides)
-        theta, used = [max(float(x), 0.0) for x in torch.linalg.eigvalsh(g)[..., -1].cpu()], k
-    else:
-        theta, used = _krylov_top(g)
+    theta, used = _krylov_top(g)
     pending = list(range(len(todo)))
     c_k = _gamma(k + 1) / (1.0 - _gamma(k + 1))
-    schedule = [(FAST_STEPS[0], False)] + ([(FAST_STEPS[0], True)] if k > _DENSE_ESTIMATE_MAX else []) \
-        + [(tau, False) for tau in FAST_STEPS[1:]]  # a dense estimate has nothing to refine
+    schedule = [(FAST_STEPS[0], False), (FAST_STEPS[0], True)] + [(tau, False) for tau in FAST_STEPS[1:]]
     for tau, refine in schedule:
         if not pending:
             break

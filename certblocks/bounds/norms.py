@@ -59,9 +59,8 @@ upper block row, the lower triangle a copy: every entry an inner product of leng
 1. ``|G_hat - G| <= gamma_m |W|^T |W| + m eta`` entrywise (any order of summation, FMA or not; an underflowed
    product errs by at most ``eta``), so ``||G_hat - G||_2 <= gamma_m ||W||_F^2 + k m eta =: d_G``, with
    ``||W||_F^2 <= sum_i g_hat_ii / (1 - gamma_m)`` (the sum rounded up).
-2. A Krylov iteration (Lanczos with full reorthogonalization in float32, a fixed pseudo-random start; a dense
-   float64 eigensolver for ``k <= 128``, where it is the faster) gives ``theta``, an estimate of
-   ``lambda_max(G_hat)``.  Nothing depends on its accuracy but the tightness.
+2. A Krylov iteration (Lanczos with full reorthogonalization in float32, a fixed pseudo-random start) gives
+   ``theta``, an estimate of ``lambda_max(G_hat)``.  Nothing depends on its accuracy but the tightness.
 3. For ``t = theta (1 + tau)``, ``tau`` the steps of :data:`FAST_STEPS` (the first one tried again after a longer
    Krylov run): ``A = t I - G_hat`` is formed (the
    diagonal ``fl(t - g_hat_ii)`` errs by at most ``u |a_ii|``, a diagonal error ``D`` with

@@ -227,13 +227,17 @@ def test_one_lapack_call_and_the_blocked_factorization_agree(monkeypatch):
     assert _fast._cholesky_completes(shifted.clone()) == [False]  # t below lambda_max: no factorization
 
 
-def test_block_gram_is_the_gram_matrix():
+@pytest.mark.parametrize("k", [100, 613], ids=["one block", "blocks"])
+def test_block_gram_is_the_gram_matrix(k):
     gen = torch.Generator().manual_seed(9)
-    a = torch.randn(2, 700, 613, generator=gen, dtype=torch.float64)
+    a = torch.randn(2, 700, k, generator=gen, dtype=torch.float64)
     g = _fast._block_gram(a)
     ref = a.mT @ a
     assert torch.allclose(g, ref, rtol=0, atol=1e-10 * float(ref.abs().max()))
-    assert torch.equal(torch.tril(g, -1), torch.triu(g, 1).mT)  # the lower blocks copy the upper ones
+    # exactly symmetric, inside the diagonal blocks too (a BLAS's X^T X alone is not on every CPU)
+    assert torch.equal(torch.tril(g, -1), torch.triu(g, 1).mT)
+    chunked = _fast._row_chunked_gram(a.float())  # the path of a float32 matrix: by row chunks
+    assert torch.equal(torch.tril(chunked, -1), torch.triu(chunked, 1).mT)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
