@@ -22,7 +22,10 @@ Parts (each selectable; all run when none is named):
   state; no autocast, no loss scaling), and the same in bf16, at the ``dyt`` variant's tuned learning rate and
   seed 0.  AdamW's ``eps`` is 1e-4 in these runs (the square-root of fp16's smallest normal number is 7.8e-3: an
   ``eps`` of 1e-8 is 0 in fp16); an fp32 run with the same ``eps`` is the reference.  Records non-finite losses,
-  gradients and parameters, and the fp16 certificate at the start and at the end.
+  gradients and parameters, and the fp16 certificate at the start and at the end.  ``--pure-state float32`` keeps
+  AdamW's two moments in float32 (:class:`Float32StateAdamW`; the parameters, activations and gradients stay in the
+  dtype): in fp16 the second moment ``(1 - beta2) g^2`` underflows to 0 for ``|g| < 7.7e-3``, which is nearly every
+  entry of these models, and AdamW becomes momentum over ``eps``.
 
 Protocol: for each variant, seed 0 at every learning rate of the grid (``--gpt-lrs``, ``--vit-lrs``); the best one
 (lowest final validation bits per byte / highest final test accuracy, ties to the lower loss) is then run on the
@@ -112,6 +115,43 @@ def optimizer_groups(model: nn.Module, weight_decay: float, gain_lr_scale: float
     return groups
 
 
+class Float32StateAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, bias-corrected moments) whose moments and arithmetic are float32 for parameters
+    of any dtype: each step reads the parameter and its gradient in float32 and writes the result back rounded to the
+    parameter's dtype.  The ``--pure-state float32`` runs' optimizer (torch's AdamW keeps its state in the
+    parameter's dtype)."""
+
+    def __init__(self, params: Any, lr: float, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(step=0, exp_avg=torch.zeros_like(p, dtype=torch.float32),
+                                 exp_avg_sq=torch.zeros_like(p, dtype=torch.float32))
+                state["step"] += 1
+                t, m, v = state["step"], state["exp_avg"], state["exp_avg_sq"]
+                g = p.grad.float()
+                m.mul_(b1).add_(g, alpha=1.0 - b1)
+                v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+                p32 = p.float().mul_(1.0 - group["lr"] * group["weight_decay"])
+                denom = (v / (1.0 - b2**t)).sqrt_().add_(group["eps"])
+                p32.addcdiv_(m, denom, value=-group["lr"] / (1.0 - b1**t))
+                p.copy_(p32)
+
+
+def _adamw(groups: List[Dict[str, Any]], state: str, **kw: Any) -> torch.optim.Optimizer:
+    """torch's AdamW (``state="param"``: moments in the parameters' dtype) or :class:`Float32StateAdamW`."""
+    return Float32StateAdamW(groups, **kw) if state == "float32" else torch.optim.AdamW(groups, **kw)
+
+
 def _has_gains(model: nn.Module) -> bool:
     from certblocks.blocks import LayerScale
 
@@ -136,18 +176,20 @@ def build_gpt(variant: str, seed: int, args: argparse.Namespace) -> nn.Module:
 
 
 def gpt_run(variant: str, seed: int, lr: float, data: Tuple[torch.Tensor, torch.Tensor], args: argparse.Namespace,
-            dtype: torch.dtype = torch.float32, eps: float = 1e-8, gain_lr_scale: float = 1.0) -> Dict[str, Any]:
+            dtype: torch.dtype = torch.float32, eps: float = 1e-8, gain_lr_scale: float = 1.0,
+            state: str = "param") -> Dict[str, Any]:
     """One GPT-2 run: ``args.gpt_steps`` AdamW steps in ``dtype`` (parameters and everything: pure); validation
     bits per byte at half and full horizon."""
     train, val = data
     model = build_gpt(variant, seed, args)
     cert_init = _cert(model)
     model = model.to(dtype)
-    opt = torch.optim.AdamW(optimizer_groups(model, 0.1, gain_lr_scale), lr=lr, betas=(0.9, 0.95), eps=eps)
+    opt = _adamw(optimizer_groups(model, 0.1, gain_lr_scale), state, lr=lr, betas=(0.9, 0.95), eps=eps)
     g = torch.Generator().manual_seed(seed)
     steps, warmup = args.gpt_steps, max(1, args.gpt_steps // 15)
     out: Dict[str, Any] = {"part": "gpt", "variant": variant, "seed": seed, "lr": lr, "gain_lr_scale": gain_lr_scale,
-                           "dtype": str(dtype)[6:], "eps": eps, "cert_init": cert_init, "has_gains": _has_gains(model),
+                           "dtype": str(dtype)[6:], "eps": eps, "optimizer_state": state, "cert_init": cert_init,
+                           "has_gains": _has_gains(model),
                            "first_nonfinite_step": None, "nonfinite_grad_steps": 0}
     losses: List[float] = []
     t0 = time.time()
@@ -208,19 +250,21 @@ def vit_eval(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Tuple[float,
 
 
 def vit_run(variant: str, seed: int, lr: float, data: Tuple[torch.Tensor, ...], args: argparse.Namespace,
-            dtype: torch.dtype = torch.float32, eps: float = 1e-8, gain_lr_scale: float = 1.0) -> Dict[str, Any]:
+            dtype: torch.dtype = torch.float32, eps: float = 1e-8, gain_lr_scale: float = 1.0,
+            state: str = "param") -> Dict[str, Any]:
     """One ViT run: ``args.vit_epochs`` epochs in ``dtype`` (pure); test accuracy at half and full horizon."""
     x_tr, y_tr, x_te, y_te = data
     model = build_vit(variant, seed, args)
     cert_init = _cert(model)
     model = model.to(dtype)
-    opt = torch.optim.AdamW(optimizer_groups(model, 0.05, gain_lr_scale, exclude=("pos_embed", "cls_token")), lr=lr,
-                            eps=eps)
+    opt = _adamw(optimizer_groups(model, 0.05, gain_lr_scale, exclude=("pos_embed", "cls_token")), state, lr=lr,
+                 eps=eps)
     g = torch.Generator().manual_seed(seed)
     per_epoch = math.ceil(len(y_tr) / args.vit_batch)
     steps, warmup = args.vit_epochs * per_epoch, per_epoch
     out: Dict[str, Any] = {"part": "vit", "variant": variant, "seed": seed, "lr": lr, "gain_lr_scale": gain_lr_scale,
-                           "dtype": str(dtype)[6:], "eps": eps, "cert_init": cert_init, "has_gains": _has_gains(model),
+                           "dtype": str(dtype)[6:], "eps": eps, "optimizer_state": state, "cert_init": cert_init,
+                           "has_gains": _has_gains(model),
                            "first_nonfinite_step": None, "nonfinite_grad_steps": 0}
     losses: List[float] = []
     t0, step = time.time(), 0
@@ -380,8 +424,10 @@ def report(result: Dict[str, Any]) -> str:
                        f"{fmt(r['test_acc_half'], 2, 100.0)} | {fmt(r['test_loss'], 4)} | {per} |")
         out.append("")
     if "pure" in result:
+        moments = ("AdamW's moments in float32" if result["pure"].get("optimizer_state") == "float32"
+                   else "AdamW's moments in the dtype too")
         out += ["Pure low-precision training of the DyT models (every tensor in the dtype, no autocast, no loss "
-                "scaling; AdamW eps 1e-4, seed 0, the tuned learning rate):", "",
+                f"scaling; {moments}; AdamW eps 1e-4, seed 0, the tuned learning rate):", "",
                 "| model | dtype | metric | non-finite loss at | steps with non-finite grads | non-finite params | "
                 "fp16 certificate at end |", "|---|---|---|---|---|---|---|"]
         for r in result["pure"]["runs"]:
@@ -424,6 +470,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p.add_argument("--pure-dtypes", nargs="+", default=["float32", "float16", "bfloat16"],
                    choices=["float32", "float16", "bfloat16"],
                    help="the dtypes of --pure (float32: the reference with the same AdamW eps)")
+    p.add_argument("--pure-state", default="param", choices=["param", "float32"],
+                   help="AdamW's moments in the parameters' dtype (torch's AdamW) or in float32 (Float32StateAdamW)")
     p.add_argument("--runs-log", default=None, help="append every finished run to this JSON-lines file")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="print the report of these result files together (parts run separately) and exit")
@@ -486,11 +534,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         for dtype in (getattr(torch, d) for d in args.pure_dtypes):
             if "gpt" in args.pure_parts:
                 runs.append(gpt_run("dyt", args.seeds[0], lrs[0], gpt_data, args, dtype=dtype, eps=1e-4,
-                                    gain_lr_scale=scales[0]))
+                                    gain_lr_scale=scales[0], state=args.pure_state))
             if "vit" in args.pure_parts:
                 runs.append(vit_run("dyt", args.seeds[0], lrs[1], vit_data, args, dtype=dtype, eps=1e-4,
-                                    gain_lr_scale=scales[1]))
-        result["pure"] = {"runs": runs, "lrs": list(lrs), "eps": 1e-4}
+                                    gain_lr_scale=scales[1], state=args.pure_state))
+        result["pure"] = {"runs": runs, "lrs": list(lrs), "eps": 1e-4, "optimizer_state": args.pure_state}
         result["meta"]["seconds"]["pure"] = round(time.time() - t0, 1)
     result["goals"] = goals(result.get("gpt", {}).get("summary"), result.get("vit", {}).get("summary"))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

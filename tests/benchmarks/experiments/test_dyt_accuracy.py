@@ -41,3 +41,33 @@ def test_quick_grid_scales_only_the_models_with_gains(tmp_path) -> None:
     (dyt_row,) = [r for r in result["vit"]["summary"] if r["variant"] == "dyt"]
     assert dyt_row["gain_lr_scale"] == best["dyt"][1] and set(dyt_row["lr_grid"]) == {"0.001", "0.001 x30"}
     assert json.loads(out.read_text())["vit"]["best_lr"] == best
+
+
+def test_float32_state_adamw_is_adamw_and_keeps_fp16_moments_from_underflowing() -> None:
+    from dyt_accuracy import Float32StateAdamW
+
+    torch.manual_seed(0)
+    w0 = torch.randn(8, 5)
+    grads = [torch.randn(8, 5) * 10.0 ** -k for k in range(4)]  # gradients from 1 down to 1e-3
+    a, b = w0.clone().requires_grad_(), w0.clone().requires_grad_()
+    ref = torch.optim.AdamW([{"params": [a], "weight_decay": 0.1}], lr=1e-2, eps=1e-8)
+    ours = Float32StateAdamW([{"params": [b], "weight_decay": 0.1}], lr=1e-2, eps=1e-8)
+    for g in grads:  # float32 parameters: torch's AdamW, step for step
+        a.grad, b.grad = g.clone(), g.clone()
+        ref.step()
+        ours.step()
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+    # fp16 parameters with gradients of 1e-3: (1 - beta2) g^2 = 1e-9 is 0 in fp16, not in float32
+    h16, f16 = w0.half().requires_grad_(), w0.half().requires_grad_()
+    torch_opt = torch.optim.AdamW([h16], lr=1e-3, eps=1e-4)
+    ours16 = Float32StateAdamW([f16], lr=1e-3, eps=1e-4)
+    for _ in range(3):
+        h16.grad = f16.grad = torch.full_like(h16, 1e-3)
+        torch_opt.step()
+        ours16.step()
+    assert torch_opt.state[h16]["exp_avg_sq"].eq(0).all()  # the underflow the option exists for
+    v = ours16.state[f16]["exp_avg_sq"]
+    assert v.dtype == torch.float32 and v.gt(0).all() and f16.dtype == torch.float16
+    # Adam's step is about lr whatever the gradient's scale; torch's fp16 one is m / eps, ten times smaller here
+    moved = (w0.half().float() - f16.float()).abs().mean()
+    assert 2e-3 < float(moved) < 4e-3
