@@ -96,6 +96,11 @@ def _keep(out: Dict[str, Any], args: argparse.Namespace) -> Dict[str, Any]:
     return out
 
 
+def _overrides(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
+    """``--dyt-overrides`` for the ``dyt`` variant (constructor keyword arguments over its defaults), else none."""
+    return dict(getattr(args, "dyt_overrides", None) or {}) if variant == "dyt" else {}
+
+
 def _cert(model: nn.Module) -> Dict[str, Any]:
     """The fp16 certificate of a zoo model: ``ok``, ``certified_depth``, ``depth``."""
     c = model.certificate("fp16")
@@ -171,6 +176,7 @@ def build_gpt(variant: str, seed: int, args: argparse.Namespace) -> nn.Module:
     from certblocks.zoo import create_model
 
     name, kw = GPT_MODELS[variant]
+    kw = {**kw, **_overrides(variant, args)}
     torch.manual_seed(seed)
     return create_model(name, vocab_size=256, block_size=args.gpt_block, **kw, **(QUICK_GPT if args.quick else {}))
 
@@ -189,7 +195,7 @@ def gpt_run(variant: str, seed: int, lr: float, data: Tuple[torch.Tensor, torch.
     steps, warmup = args.gpt_steps, max(1, args.gpt_steps // 15)
     out: Dict[str, Any] = {"part": "gpt", "variant": variant, "seed": seed, "lr": lr, "gain_lr_scale": gain_lr_scale,
                            "dtype": str(dtype)[6:], "eps": eps, "optimizer_state": state, "cert_init": cert_init,
-                           "has_gains": _has_gains(model),
+                           "has_gains": _has_gains(model), "overrides": _overrides(variant, args),
                            "first_nonfinite_step": None, "nonfinite_grad_steps": 0}
     losses: List[float] = []
     t0 = time.time()
@@ -234,6 +240,7 @@ def build_vit(variant: str, seed: int, args: argparse.Namespace) -> nn.Module:
     import timm
 
     name, kw = VIT_MODELS[variant]
+    kw = {**kw, **_overrides(variant, args)}
     torch.manual_seed(seed)
     return timm.create_model(name, num_classes=10, img_size=32, patch_size=8, **kw,
                              **(QUICK_VIT if args.quick else {}))
@@ -264,7 +271,7 @@ def vit_run(variant: str, seed: int, lr: float, data: Tuple[torch.Tensor, ...], 
     steps, warmup = args.vit_epochs * per_epoch, per_epoch
     out: Dict[str, Any] = {"part": "vit", "variant": variant, "seed": seed, "lr": lr, "gain_lr_scale": gain_lr_scale,
                            "dtype": str(dtype)[6:], "eps": eps, "optimizer_state": state, "cert_init": cert_init,
-                           "has_gains": _has_gains(model),
+                           "has_gains": _has_gains(model), "overrides": _overrides(variant, args),
                            "first_nonfinite_step": None, "nonfinite_grad_steps": 0}
     losses: List[float] = []
     t0, step = time.time(), 0
@@ -442,6 +449,17 @@ def report(result: Dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _json_object(text: str) -> Dict[str, Any]:
+    """argparse type of ``--dyt-overrides``: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"--dyt-overrides must be a JSON object, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"--dyt-overrides must be a JSON object, got {text!r}")
+    return value
+
+
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gpt", action="store_true", help="the GPT-2 part (all parts run when none is named)")
@@ -472,6 +490,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                    help="the dtypes of --pure (float32: the reference with the same AdamW eps)")
     p.add_argument("--pure-state", default="param", choices=["param", "float32"],
                    help="AdamW's moments in the parameters' dtype (torch's AdamW) or in float32 (Float32StateAdamW)")
+    p.add_argument("--dyt-overrides", type=_json_object, default=None, metavar="JSON",
+                   help="constructor keyword arguments of the dyt variant over its defaults, a JSON object (e.g. "
+                        "'{\"alpha_init\": 1.0, \"init_values\": 0.05}'); recorded with every run")
     p.add_argument("--runs-log", default=None, help="append every finished run to this JSON-lines file")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="print the report of these result files together (parts run separately) and exit")

@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 import torch
-from dyt_accuracy import main, optimizer_groups
+from dyt_accuracy import build_gpt, main, optimizer_groups
 
 pytest.importorskip("timm")
 
@@ -73,3 +74,22 @@ def test_float32_state_adamw_is_adamw_and_keeps_fp16_moments_from_underflowing()
     moved = float((w0.half().float() - f16.detach().float()).abs().mean())
     moved_torch = float((w0.half().float() - h16.detach().float()).abs().mean())
     assert 2e-3 < moved < 4e-3 and 2e-2 < moved_torch < 4e-2
+
+
+def test_dyt_overrides_reach_only_the_dyt_variant_and_are_recorded(tmp_path) -> None:
+    result = main(["--gpt", "--quick", "--variants", "dyt", "preln", "--seeds", "0", "--gpt-lrs", "1e-3",
+                   "--dyt-overrides", '{"alpha_init": 1.0, "init_values": 0.05}', "--out", str(tmp_path / "d.json")])
+    runs = {r["variant"]: r for r in result["gpt"]["runs"]}
+    assert runs["dyt"]["overrides"] == {"alpha_init": 1.0, "init_values": 0.05} and runs["preln"]["overrides"] == {}
+    args = argparse.Namespace(gpt_block=16, quick=True, dyt_overrides={"alpha_init": 1.0, "init_values": 0.05})
+    model = build_gpt("dyt", 0, args)
+    assert model.alpha_init == 1.0 and model.init_values == 0.05
+    assert float(model.transformer.h[0].ls1.gamma.detach()[0]) == pytest.approx(0.05)
+    assert build_gpt("preln", 0, args).norm_kind == "layer"  # the baselines keep their own constructors
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]"])
+def test_dyt_overrides_must_be_a_json_object(text: str, capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--gpt", "--quick", "--dyt-overrides", text])
+    assert "--dyt-overrides must be a JSON object" in capsys.readouterr().err
