@@ -27,6 +27,10 @@ Parts (each selectable; all run when none is named):
   dtype): in fp16 the second moment ``(1 - beta2) g^2`` underflows to 0 for ``|g| < 7.7e-3``, which is nearly every
   entry of these models, and AdamW becomes momentum over ``eps``.
 
+``--dyt-overrides JSON`` changes the ``dyt`` variant's constructor arguments and ``--dyt-edit JSON`` its weights after
+construction (:func:`apply_edit`: the MLP branches' gains, the query/key DyTs' ``gamma``, the output projections'
+scale, ``erf`` for ``tanh``); both are recorded with every run (the ablations of docs/dyt.md).
+
 Protocol: for each variant, seed 0 at every learning rate of the grid (``--gpt-lrs``, ``--vit-lrs``); the best one
 (lowest final validation bits per byte / highest final test accuracy, ties to the lower loss) is then run on the
 other seeds.  Within a seed, the data order is the same for every variant.  Results: a markdown report and
@@ -99,6 +103,55 @@ def _keep(out: Dict[str, Any], args: argparse.Namespace) -> Dict[str, Any]:
 def _overrides(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
     """``--dyt-overrides`` for the ``dyt`` variant (constructor keyword arguments over its defaults), else none."""
     return dict(getattr(args, "dyt_overrides", None) or {}) if variant == "dyt" else {}
+
+
+#: the changes ``--dyt-edit`` makes to the dyt variant after construction (the ablations of docs/dyt.md)
+EDITS = ("mlp_gain", "qk_gamma", "proj_scale", "kind")
+
+
+def check_edit(edit: Dict[str, Any]) -> None:
+    """Raise ``ValueError`` for an ``--dyt-edit`` with a key not in :data:`EDITS` or a ``kind`` not a DyT's."""
+    from certblocks.blocks.dyt import DYT_KINDS
+
+    unknown = sorted(set(edit) - set(EDITS))
+    if unknown:
+        raise ValueError(f"--dyt-edit: unknown keys {unknown}; allowed: {list(EDITS)}")
+    if "kind" in edit and edit["kind"] not in DYT_KINDS:
+        raise ValueError(f"--dyt-edit: kind must be one of {list(DYT_KINDS)}, got {edit['kind']!r}")
+
+
+@torch.no_grad()
+def apply_edit(model: nn.Module, edit: Dict[str, Any]) -> nn.Module:
+    """Change a built DyT model in place: ``mlp_gain`` the MLP branches' gains (``ls2.gamma``), ``qk_gamma`` the
+    query and key DyTs' ``gamma``, ``proj_scale`` multiplies the branches' output projections (the attention's
+    ``c_proj`` / ``proj``, the MLP's ``fc2``), ``kind`` every DyT's function (``"erf"``)."""
+    from certblocks.blocks import MLP, DyT, LayerScale, QKDyTAttention
+
+    check_edit(edit)
+    for name, m in model.named_modules():
+        if "mlp_gain" in edit and name.rsplit(".", 1)[-1] == "ls2" and isinstance(m, LayerScale):
+            m.gamma.fill_(float(edit["mlp_gain"]))
+        if isinstance(m, QKDyTAttention):
+            if "qk_gamma" in edit:
+                m.q_norm.weight.fill_(float(edit["qk_gamma"]))
+                m.k_norm.weight.fill_(float(edit["qk_gamma"]))
+            if "proj_scale" in edit:
+                (getattr(m, "c_proj", None) or m.proj).weight.mul_(float(edit["proj_scale"]))
+        if isinstance(m, MLP) and "proj_scale" in edit:
+            m.fc2.weight.mul_(float(edit["proj_scale"]))
+        if isinstance(m, DyT) and "kind" in edit:
+            m.kind = edit["kind"]
+    return model
+
+
+def _edit(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
+    """``--dyt-edit`` for the ``dyt`` variant, else none."""
+    return dict(getattr(args, "dyt_edit", None) or {}) if variant == "dyt" else {}
+
+
+def _edited(variant: str, model: nn.Module, args: argparse.Namespace) -> nn.Module:
+    edit = _edit(variant, args)
+    return apply_edit(model, edit) if edit else model
 
 
 def _cert(model: nn.Module) -> Dict[str, Any]:
@@ -178,7 +231,8 @@ def build_gpt(variant: str, seed: int, args: argparse.Namespace) -> nn.Module:
     name, kw = GPT_MODELS[variant]
     kw = {**kw, **_overrides(variant, args)}
     torch.manual_seed(seed)
-    return create_model(name, vocab_size=256, block_size=args.gpt_block, **kw, **(QUICK_GPT if args.quick else {}))
+    model = create_model(name, vocab_size=256, block_size=args.gpt_block, **kw, **(QUICK_GPT if args.quick else {}))
+    return _edited(variant, model, args)
 
 
 def gpt_run(variant: str, seed: int, lr: float, data: Tuple[torch.Tensor, torch.Tensor], args: argparse.Namespace,
@@ -194,8 +248,10 @@ def gpt_run(variant: str, seed: int, lr: float, data: Tuple[torch.Tensor, torch.
     g = torch.Generator().manual_seed(seed)
     steps, warmup = args.gpt_steps, max(1, args.gpt_steps // 15)
     out: Dict[str, Any] = {"part": "gpt", "variant": variant, "seed": seed, "lr": lr, "gain_lr_scale": gain_lr_scale,
+                           "steps": steps,
                            "dtype": str(dtype)[6:], "eps": eps, "optimizer_state": state, "cert_init": cert_init,
                            "has_gains": _has_gains(model), "overrides": _overrides(variant, args),
+                           "edit": _edit(variant, args),
                            "first_nonfinite_step": None, "nonfinite_grad_steps": 0}
     losses: List[float] = []
     t0 = time.time()
@@ -242,8 +298,9 @@ def build_vit(variant: str, seed: int, args: argparse.Namespace) -> nn.Module:
     name, kw = VIT_MODELS[variant]
     kw = {**kw, **_overrides(variant, args)}
     torch.manual_seed(seed)
-    return timm.create_model(name, num_classes=10, img_size=32, patch_size=8, **kw,
-                             **(QUICK_VIT if args.quick else {}))
+    model = timm.create_model(name, num_classes=10, img_size=32, patch_size=8, **kw,
+                              **(QUICK_VIT if args.quick else {}))
+    return _edited(variant, model, args)
 
 
 @torch.no_grad()
@@ -272,6 +329,7 @@ def vit_run(variant: str, seed: int, lr: float, data: Tuple[torch.Tensor, ...], 
     out: Dict[str, Any] = {"part": "vit", "variant": variant, "seed": seed, "lr": lr, "gain_lr_scale": gain_lr_scale,
                            "dtype": str(dtype)[6:], "eps": eps, "optimizer_state": state, "cert_init": cert_init,
                            "has_gains": _has_gains(model), "overrides": _overrides(variant, args),
+                           "edit": _edit(variant, args),
                            "first_nonfinite_step": None, "nonfinite_grad_steps": 0}
     losses: List[float] = []
     t0, step = time.time(), 0
@@ -450,13 +508,13 @@ def report(result: Dict[str, Any]) -> str:
 
 
 def _json_object(text: str) -> Dict[str, Any]:
-    """argparse type of ``--dyt-overrides``: a JSON object."""
+    """argparse type of ``--dyt-overrides`` and ``--dyt-edit``: a JSON object."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"--dyt-overrides must be a JSON object, got {text!r} ({e})") from None
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r} ({e})") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"--dyt-overrides must be a JSON object, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
     return value
 
 
@@ -493,12 +551,20 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p.add_argument("--dyt-overrides", type=_json_object, default=None, metavar="JSON",
                    help="constructor keyword arguments of the dyt variant over its defaults, a JSON object (e.g. "
                         "'{\"alpha_init\": 1.0, \"init_values\": 0.05}'); recorded with every run")
+    p.add_argument("--dyt-edit", type=_json_object, default=None, metavar="JSON",
+                   help=f"changes to the built dyt variant, a JSON object with keys of {list(EDITS)} (apply_edit); "
+                        "recorded with every run")
     p.add_argument("--runs-log", default=None, help="append every finished run to this JSON-lines file")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="print the report of these result files together (parts run separately) and exit")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=OUT_JSON)
     args = p.parse_args(argv)
+    if args.dyt_edit:
+        try:
+            check_edit(args.dyt_edit)
+        except ValueError as e:
+            p.error(str(e))
     args.bf16 = False  # certified_defaults.gpt_eval's autocast flag: the runs here hold the model in its own dtype
     if args.merge:
         return merge(args.merge, args.out)

@@ -92,4 +92,39 @@ def test_dyt_overrides_reach_only_the_dyt_variant_and_are_recorded(tmp_path) -> 
 def test_dyt_overrides_must_be_a_json_object(text: str, capsys) -> None:
     with pytest.raises(SystemExit):
         main(["--gpt", "--quick", "--dyt-overrides", text])
-    assert "--dyt-overrides must be a JSON object" in capsys.readouterr().err
+    assert "--dyt-overrides: must be a JSON object" in capsys.readouterr().err
+
+
+def test_dyt_edit_changes_the_built_gpt_and_vit_as_named() -> None:
+    from dyt_accuracy import apply_edit, build_vit
+
+    from certblocks.blocks import DyT
+
+    edit = {"mlp_gain": 0.5, "qk_gamma": 2.0, "proj_scale": 0.0, "kind": "erf"}
+    args = argparse.Namespace(gpt_block=16, quick=True, dyt_overrides={}, dyt_edit=edit)
+    plain = argparse.Namespace(gpt_block=16, quick=True, dyt_overrides={}, dyt_edit=None)
+    gpt, ref = build_gpt("dyt", 0, args), build_gpt("dyt", 0, plain)
+    vit = build_vit("dyt", 0, args)
+    for model, out in ((gpt, "c_proj"), (vit, "proj")):
+        blocks = model.transformer.h if model is gpt else model.blocks
+        for b in blocks:
+            assert bool((b.ls2.gamma == 0.5).all()) and bool((b.ls1.gamma != 0.5).all())
+            assert bool((b.attn.q_norm.weight == 2.0).all()) and bool((b.attn.k_norm.weight == 2.0).all())
+            assert float(getattr(b.attn, out).weight.detach().abs().max()) == 0.0
+            assert float(b.mlp.fc2.weight.detach().abs().max()) == 0.0
+        assert {m.kind for m in model.modules() if isinstance(m, DyT)} == {"erf"}
+    # nothing else moved: the edited GPT's other parameters are the unedited one's
+    edited = {n for n, _ in gpt.named_parameters() if n.endswith(("ls2.gamma", "q_norm.weight", "k_norm.weight",
+                                                                   "c_proj.weight", "fc2.weight"))}
+    for (n, p), (_, q) in zip(gpt.named_parameters(), ref.named_parameters()):
+        assert n in edited or torch.equal(p, q), n
+    # the baselines are never edited
+    assert build_gpt("preln", 0, args).transformer.h[0].mlp.fc2.weight.abs().max() > 0
+    with pytest.raises(ValueError, match="unknown keys"):
+        apply_edit(gpt, {"gain": 1.0})
+
+
+def test_dyt_edit_is_checked_at_the_command_line(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--gpt", "--quick", "--dyt-edit", '{"kind": "relu"}'])
+    assert "kind must be one of ['tanh', 'erf']" in capsys.readouterr().err
