@@ -1,6 +1,7 @@
 """What autograd's backward does with each op, as tables of op names (no gradient, entry by entry, selects, copies,
 ...), and the graph readers the backward bound shares: a node's shape, dtype, op and argument positions, and the nodes
-that carry a gradient (:func:`needs_grad`).  The bounds themselves: :mod:`certblocks.trace.backward`."""
+that carry a gradient (:func:`needs_grad`), how a gradient sums over broadcast copies.  The bounds themselves:
+:mod:`certblocks.trace.backward`."""
 
 from __future__ import annotations
 
@@ -106,3 +107,24 @@ def needs_grad(g: CapturedGraph, *, inputs: bool = False) -> Set[str]:
         if _floating(g.env.get(n.name)) and any(a.name in out for a in n.all_input_nodes):
             out.add(n.name)
     return out
+
+
+def _broadcast_sum(sa: Sequence[int], so: Sequence[int], total: float, rows: float) -> float:
+    """A bound of the sum of ``|g|`` over the copies of one entry of an argument of shape ``sa`` broadcast to ``so``:
+    one entry (no broadcast), a column (copies along the leading dims), or a whole row's entries too."""
+    sa, so = tuple(sa), tuple(so)
+    if sa == so:
+        return rows
+    copies = math.prod(so) / max(math.prod(sa), 1) if sa else float(math.prod(so) or 1)
+    last_broadcast = len(so) >= 1 and (len(sa) == 0 or sa[-1] == 1) and so[-1] > 1
+    if last_broadcast:
+        return min(math.sqrt(so[-1]) * total, copies * rows)
+    return min(total, copies * rows)
+
+
+def _node_names(v: Any) -> Set[str]:
+    if isinstance(v, torch.fx.Node):
+        return {v.name}
+    if isinstance(v, (list, tuple)):
+        return {e.name for e in v if isinstance(e, torch.fx.Node)}
+    return set()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -139,3 +139,14 @@ class LossScale:
 
     def __str__(self) -> str:
         return self.reason
+
+
+def _sum(items: Iterable[Tuple[str, float, float, str]]) -> GradBound:
+    total = rows = 0.0
+    why = ""
+    for _, t, r, w in items:
+        total += t
+        rows += r
+        if w and not why:
+            why = w
+    return GradBound.of(total, rows, why)

@@ -10,7 +10,7 @@ import copy
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple, Union
 
 import torch
 
@@ -25,14 +25,16 @@ from ._backward_ops import (
     _NO_GRADIENT,
     _POINTWISE,
     _SELECTS,
+    _broadcast_sum,
     _dtype,
+    _node_names,
     _op,
     _positions,
     _rows,
     _shape,
     needs_grad,
 )
-from ._backward_results import ZERO, GradBound, SegmentGradients
+from ._backward_results import ZERO, GradBound, SegmentGradients, _sum
 from .capture import CapturedGraph
 from .interp import VelocityInterpreter, strict_rules
 from .nodes import IDENTITY_OPS, VIEW_OPS, bind_args, op_name
@@ -527,40 +529,8 @@ class _SegmentPass:
         return b if isinstance(b, GradBound) else None
 
 
-def _sum(items: Iterable[Tuple[str, float, float, str]]) -> GradBound:
-    total = rows = 0.0
-    why = ""
-    for _, t, r, w in items:
-        total += t
-        rows += r
-        if w and not why:
-            why = w
-    return GradBound.of(total, rows, why)
-
-
-def _broadcast_sum(sa: Sequence[int], so: Sequence[int], total: float, rows: float) -> float:
-    """A bound of the sum of ``|g|`` over the copies of one entry of an argument of shape ``sa`` broadcast to ``so``:
-    one entry (no broadcast), a column (copies along the leading dims), or a whole row's entries too."""
-    sa, so = tuple(sa), tuple(so)
-    if sa == so:
-        return rows
-    copies = math.prod(so) / max(math.prod(sa), 1) if sa else float(math.prod(so) or 1)
-    last_broadcast = len(so) >= 1 and (len(sa) == 0 or sa[-1] == 1) and so[-1] > 1
-    if last_broadcast:
-        return min(math.sqrt(so[-1]) * total, copies * rows)
-    return min(total, copies * rows)
-
-
 def _as_value(v: Any) -> AValue:
     return v if isinstance(v, AValue) else AValue.constant(torch.as_tensor(v))
-
-
-def _node_names(v: Any) -> Set[str]:
-    if isinstance(v, torch.fx.Node):
-        return {v.name}
-    if isinstance(v, (list, tuple)):
-        return {e.name for e in v if isinstance(e, torch.fx.Node)}
-    return set()
 
 
 def _divide(it: Any, n: torch.fx.Node, args: Dict[str, Any], shape: Tuple[int, ...]) -> Optional[AValue]:
