@@ -16,8 +16,9 @@ import mpmath
 
 from . import budget as _budget
 from ._format import fmt_num as _fmt_num
-from .certificate import BlockCertificate, Peak, StackCertificate
+from .certificate import BlockCertificate, StackCertificate
 from .failures import Failure, head_gradient_failure, locate_failure, suggest_fix
+from .peak import Peak
 from .precision import Precision, as_precision
 
 __all__ = ["certify_stack"]

@@ -554,5 +554,6 @@ class StackCertificate:
                 f"forward {self.forward_depth}, backward {self.backward_depth})")
 
 
-# defined after the classes it builds and re-exported here (its home is certblocks._chain)
+# At the end, not the top: certblocks._chain builds the classes above (an import cycle resolved by order). Re-exported
+# here: certify_stack is part of this module's API; the two helpers serve StackCertificate's methods.
 from ._chain import _peak_checks, _ratio, certify_stack  # noqa: E402
